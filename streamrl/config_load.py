@@ -144,6 +144,8 @@ def cross_field_problems(spec: JobSpec) -> list[tuple[tuple[str, ...], str]]:
                     f"{gpus} GPUs of launcher.nodes x launcher.gpus_per_node",
                 )
             )
+    if spec.launcher.kind == "local" and spec.launcher.nodes > 1:
+        problems.append((("launcher", "nodes"), "the local launcher runs on one host: use kind: ray"))
     if spec.eval.every_steps and spec.data.eval is None:
         problems.append((("eval", "every_steps"), "periodic evaluation needs data.eval"))
     return problems

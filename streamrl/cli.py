@@ -1,0 +1,60 @@
+"""The `streamrl` command. Thin: parse arguments, call the module that does the work.
+
+Heavy imports (torch, transformers, aiohttp) happen inside the subcommand that needs them, so
+`streamrl validate` answers in well under a second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from streamrl.errors import ConfigError
+
+
+def _job_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("job", help="job spec YAML file")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="override a field of the spec (repeatable), e.g. --set buffer.max_staleness=2",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="streamrl", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _job_args(sub.add_parser("validate", help="check a job spec; exit 0 if valid"))
+    _job_args(sub.add_parser("print-config", help="print the resolved job spec (defaults filled in)"))
+    sandbox = sub.add_parser("sandbox", help="the code-execution sandbox")
+    sandbox_sub = sandbox.add_subparsers(dest="sandbox_command", required=True)
+    sandbox_sub.add_parser("serve", help="serve Code Judge's HTTP API", add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["sandbox", "serve"]:
+        from sandbox_bridge.server import main as serve
+
+        return serve(argv[2:])
+    args = build_parser().parse_args(argv)
+    from streamrl.config_load import dump_job, load_job
+
+    try:
+        spec = load_job(args.job, args.overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.command == "validate":
+        print(f"ok: {args.job} ({spec.name})")
+    else:
+        sys.stdout.write(dump_job(spec))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
