@@ -43,7 +43,7 @@ from streamrl.config import JobSpec
 from streamrl.data import Cursor, PromptSource
 from streamrl.errors import DecodeError
 from streamrl.messages import Batch, Group, GroupAck, Prompt, check_group, pack, unpack
-from streamrl.roc import RocConfig, select
+from streamrl.roc import RocConfig, select_with_stats
 
 LedgerState = Literal["dispatched", "ready", "delivered", "trained", "dropped"]
 
@@ -175,10 +175,14 @@ class ReplayBuffer:
         group.trajectories.sort(key=lambda t: t.sample_index)
         rewards = [t.reward for t in group.trajectories]
         if self.roc is not None:
-            kept = select(rewards, [t.text for t in group.trajectories], self.roc)
+            texts = [t.text for t in group.trajectories]
+            try:
+                roc = select_with_stats(rewards, texts, self.roc, group_key=group.uid)
+            except ValueError as e:  # the reference's size assert (odd n); never take the buffer down
+                return self._drop(group.uid, entry, "roc_invalid", detail=str(e))
+            kept = roc.kept
             if not kept:
-                reason = "roc_equal_reward" if len(set(rewards)) == 1 else "roc_too_small"
-                return self._drop(group.uid, entry, reason, status="filtered")
+                return self._drop(group.uid, entry, f"roc_{roc.dropped}")
             if len(kept) != len(rewards):
                 group.trajectories = [group.trajectories[i] for i in kept]
                 rewards = [rewards[i] for i in kept]
@@ -194,10 +198,10 @@ class ReplayBuffer:
             # The generator was presumed dead but delivered after all: cancel the re-dispatch.
             self.redispatch = collections.deque(p for p in self.redispatch if p.uid != uid)
 
-    def _drop(self, uid: int, entry: LedgerEntry, reason: str, status: str = "filtered") -> GroupAck:
+    def _drop(self, uid: int, entry: LedgerEntry, reason: str, detail: str = "") -> GroupAck:
         entry.state, entry.reason = "dropped", reason
         self.counters[f"dropped_{reason}"] += 1
-        return GroupAck(uid=uid, status=status, detail=reason)  # type: ignore[arg-type]
+        return GroupAck(uid=uid, status="filtered", detail=detail or reason)
 
     # ------------------------------------------------------------------ batches out
 
@@ -237,8 +241,12 @@ class ReplayBuffer:
                 np.array([int(unpack("loss_mask", t.loss_mask).sum()) for t in rg.group.trajectories])
                 for rg in groups
             ]
-            advantages = [pack("advantages", a) for a in whiten([unpack("advantages", a) for a in advantages], counts)]
-        return Batch(step=step, policy_version=self.version, groups=[rg.group for rg in groups], advantages=advantages)
+            advantages = [
+                pack("advantages", a) for a in whiten([unpack("advantages", a) for a in advantages], counts)
+            ]
+        return Batch(
+            step=step, policy_version=self.version, groups=[rg.group for rg in groups], advantages=advantages
+        )
 
     def on_weights_published(self, version: int, step: int) -> bool:
         """The learner finished `step` and engines serve `version`. False if the version went back."""
@@ -292,7 +300,9 @@ class ReplayBuffer:
 
     def ledger_problems(self) -> list[str]:
         """Violations of invariant 4 (empty when the books balance)."""
-        problems = [f"uid {u} trained {e.trained_count} times" for u, e in self.ledger.items() if e.trained_count > 1]
+        problems = [
+            f"uid {u} trained {e.trained_count} times" for u, e in self.ledger.items() if e.trained_count > 1
+        ]
         holding = {p.uid for p in self.redispatch} | set(self.in_flight)
         for uid, e in self.ledger.items():
             if e.state == "dispatched" and uid not in holding:
