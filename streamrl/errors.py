@@ -7,7 +7,8 @@
     │   └── DecodeError      unknown message type, wrong field type, bad protocol version
     ├── TransportError
     │   ├── TransportTimeout a bounded wait ran out
-    │   └── PeerGone         the other side closed or was never there
+    │   ├── PeerGone         the other side closed or was never there
+    │   └── RemoteError      the peer answered Error(code, detail) instead of a reply
     └── WorkerFailed         a role process died or gave up
 
 Code that runs untrusted programs (sandbox_bridge) returns result objects rather than raising for
@@ -51,3 +52,11 @@ class PeerGone(TransportError):
 
 class WorkerFailed(StreamrlError):
     """A role process died or stopped with an error."""
+
+
+class RemoteError(TransportError):
+    """The server answered with Error(code, detail) where a normal reply was expected."""
+
+    def __init__(self, code: str, detail: str, address: str) -> None:
+        super().__init__(f"{address} answered error {code!r}: {detail}")
+        self.code, self.detail = code, detail

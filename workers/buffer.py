@@ -40,7 +40,8 @@ from streamrl.messages import (
     SnapshotRequest,
     WeightsPublished,
 )
-from streamrl.transport import InprocServer, Server
+from streamrl.transport import Server
+from streamrl.transport_inproc import InprocServer
 
 logger = log.get_logger("workers.buffer")
 STATS_EVERY_S = 10.0

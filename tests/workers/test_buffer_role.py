@@ -13,7 +13,9 @@ import pytest
 import zmq
 
 from streamrl import messages as m
-from streamrl.transport import Client, InprocHub, RemoteError
+from streamrl.errors import RemoteError
+from streamrl.transport import Client
+from streamrl.transport_inproc import InprocHub
 from tests.streamrl.test_buffer import MIXED, make_buffer, make_group
 from workers.buffer import BufferRole
 
