@@ -108,9 +108,9 @@ def receiver(variant: str, bind: str, report: Any) -> None:
     report.put(sock.getsockopt_string(zmq.LAST_ENDPOINT))
     while sock.poll(60_000):
         ident, payload = sock.recv_multipart(copy=False)
-        if payload.bytes == _END:
+        if len(payload) == len(_END) and payload.bytes == _END:  # .bytes copies: only on tiny frames
             break
-        if payload.bytes == _ROUND_END:
+        if len(payload) == len(_ROUND_END) and payload.bytes == _ROUND_END:
             sock.send_multipart([ident, _ROUND_END])
             continue
         count += 1
