@@ -110,6 +110,13 @@ def cross_field_problems(spec: JobSpec) -> list[tuple[tuple[str, ...], str]]:
                     f"must be <= down_sample_to_n ({roc.down_sample_to_n})",
                 )
             )
+    if rollout.concurrency < rollout.n_samples:
+        problems.append(
+            (
+                ("rollout", "concurrency"),
+                f"must be at least rollout.n_samples ({rollout.n_samples}): a group runs all its samples at once",
+            )
+        )
     if rollout.agent == "rstar2_tool" and spec.sandbox is None:
         problems.append((("sandbox",), "rollout.agent 'rstar2_tool' needs a sandbox section"))
     algo = spec.algorithm
