@@ -42,7 +42,7 @@ from streamrl.advantages import grpo_advantages, whiten
 from streamrl.config import JobSpec
 from streamrl.data import Cursor, PromptSource
 from streamrl.errors import DecodeError
-from streamrl.messages import Batch, Group, GroupAck, Prompt, check_group, pack, unpack
+from streamrl.messages import Array, Batch, Group, GroupAck, Prompt, check_group, pack, unpack
 from streamrl.roc import RocConfig, select_with_stats
 
 LedgerState = Literal["dispatched", "ready", "delivered", "trained", "dropped"]
@@ -59,7 +59,7 @@ class LedgerEntry(msgspec.Struct, array_like=True, gc=False):
 
 class ReadyGroup(msgspec.Struct, gc=False):
     group: Group  # only the kept trajectories, in sample_index order
-    advantages: bytes  # float32, one per kept trajectory
+    advantages: Array  # float32, one per kept trajectory
 
 
 class BufferSnapshot(msgspec.Struct):

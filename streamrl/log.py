@@ -16,6 +16,7 @@ from typing import Any, TextIO
 
 import structlog
 
+_open_file: TextIO | None = None  # the JSON log file of this process, closed on reconfiguration
 _LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
 
 
@@ -27,10 +28,14 @@ def configure(
     stream: TextIO | None = None,
 ) -> None:
     """Route structlog to JSON lines on `stream` (stderr) or appended to `json_file`."""
+    global _open_file
+    if _open_file is not None:
+        _open_file.close()
+        _open_file = None
     out: TextIO
     if json_file is not None:
         Path(json_file).parent.mkdir(parents=True, exist_ok=True)
-        out = open(json_file, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
+        out = _open_file = open(json_file, "a", buffering=1)  # noqa: SIM115 - lives as long as the process
     else:
         out = stream or sys.stderr
     structlog.configure(

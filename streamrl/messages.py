@@ -1,8 +1,9 @@
 """The wire schema: every message that crosses a process boundary.
 
 One msgspec tagged union, `Message`, encoded as MessagePack. Per-token arrays travel as raw
-little-endian `bytes` (dtype fixed per field in `ARRAY_DTYPES`) because msgspec decodes a bytes field
-about 8x faster than a list of ints. Receivers call `decode(frame)`, which raises a `WireError`
+little-endian bytes (dtype fixed per field in `ARRAY_DTYPES`) because msgspec decodes a bytes field
+about 8x faster than a list of ints. They are typed `memoryview` so that decoding is zero-copy: a
+received array is a view into the received frame (which it keeps alive), not a fresh copy. Receivers call `decode(frame)`, which raises a `WireError`
 subclass for anything that is not a valid message of this protocol; it never raises anything else.
 
 Conversation of the roles (all over the buffer's ROUTER socket, see transport.py):
@@ -42,12 +43,15 @@ ARRAY_DTYPES: dict[str, str] = {
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
-def pack(field: str, values: object) -> bytes:
+Array = memoryview
+
+
+def pack(field: str, values: object) -> Array:
     """Encode a sequence or array as the bytes of field `field` (dtype from ARRAY_DTYPES)."""
-    return np.ascontiguousarray(values, dtype=ARRAY_DTYPES[field]).tobytes()
+    return memoryview(np.ascontiguousarray(values, dtype=ARRAY_DTYPES[field]).tobytes())
 
 
-def unpack(field: str, data: bytes) -> np.ndarray:
+def unpack(field: str, data: Array | bytes) -> np.ndarray:
     """A read-only numpy view of a bytes-array field."""
     return np.frombuffer(data, dtype=ARRAY_DTYPES[field])
 
@@ -83,10 +87,10 @@ class Trajectory(msgspec.Struct, kw_only=True, array_like=True, gc=False):
     """
 
     sample_index: int
-    tokens: bytes
-    loss_mask: bytes
-    logprobs: bytes
-    versions: bytes
+    tokens: Array
+    loss_mask: Array
+    logprobs: Array
+    versions: Array
     reward: float
     finish_reason: FinishReason
     num_turns: int = 1
@@ -132,7 +136,7 @@ class Group(msgspec.Struct, tag="group", kw_only=True, gc=False):
     prompt_id: str
     admitted_version: int
     generator: str
-    prompt_tokens: bytes
+    prompt_tokens: Array
     trajectories: list[Trajectory]
     gen_time_s: float = 0.0
 
@@ -156,7 +160,7 @@ class Batch(msgspec.Struct, tag="batch", kw_only=True, gc=False):
     step: int
     policy_version: int
     groups: list[Group]
-    advantages: list[bytes]
+    advantages: list[Array]
 
 
 class NoBatch(msgspec.Struct, tag="no_batch", kw_only=True):
