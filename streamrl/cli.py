@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     sandbox = sub.add_parser("sandbox", help="the code-execution sandbox")
     sandbox_sub = sandbox.add_subparsers(dest="sandbox_command", required=True)
     sandbox_sub.add_parser("serve", help="serve Code Judge's HTTP API", add_help=False)
+    engine = sub.add_parser("engine", help="the embedded rollout engine")
+    engine_sub = engine.add_subparsers(dest="engine_command", required=True)
+    engine_sub.add_parser("serve", help="serve SGLang's HTTP API around a Hugging Face model", add_help=False)
     return parser
 
 
@@ -41,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
         from sandbox_bridge.server import main as serve
 
         return serve(argv[2:])
+    if argv[:2] == ["engine", "serve"]:
+        from workers.engines.embedded import main as engine_serve
+
+        return engine_serve(argv[2:])
     args = build_parser().parse_args(argv)
     from streamrl.config_load import dump_job, load_job
 
