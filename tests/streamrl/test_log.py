@@ -27,5 +27,6 @@ def test_configure_can_append_to_a_file(tmp_path) -> None:
     path = tmp_path / "logs" / "buffer.jsonl"
     log.configure("buffer", json_file=path)
     log.get_logger("t").warning("careful", n=1)
+    log.configure("buffer")  # back to stderr: closes the file
     rec = json.loads(path.read_text().splitlines()[-1])
     assert (rec["role"], rec["event"], rec["n"], rec["level"]) == ("buffer", "careful", 1, "warning")
