@@ -43,7 +43,7 @@ import zmq
 from bench.common import emit, print_table
 from streamrl import messages as m
 from streamrl.log import configure as configure_logging
-from streamrl.transport import Client, Server
+from streamrl.transport import Client, Server, tune_allocator
 
 VARIANTS = ("streamrl", "codec", "raw")
 RAW_HWM = 64  # messages; bounds the raw sender's run-ahead (about 27 MB in flight)
@@ -87,6 +87,7 @@ def receiver(variant: str, bind: str, report: Any) -> None:
     Reports its address, then at the end (CPU seconds, groups received) for the CPU column.
     """
     configure_logging(role=f"bench-{variant}", level="warning")  # stdout stays table + JSON
+    tune_allocator()  # every variant alike, as the buffer role does
     cpu0, count = _cpu(), 0
     if variant == "streamrl":
         with Server(bind) as server:
@@ -266,6 +267,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--no-tcp", action="store_true")
     args = p.parse_args(argv)
     configure_logging(role="bench", level="warning")
+    tune_allocator()
     n = args.groups or (300 if args.quick else 1000)
     repeats = args.repeats or (5 if args.quick else 9)
     transports = ["ipc"] if args.no_tcp else ["ipc", "tcp"]

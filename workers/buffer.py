@@ -40,7 +40,7 @@ from streamrl.messages import (
     SnapshotRequest,
     WeightsPublished,
 )
-from streamrl.transport import Server
+from streamrl.transport import Server, tune_allocator
 from streamrl.transport_inproc import InprocServer
 
 logger = log.get_logger("workers.buffer")
@@ -177,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     log.configure("buffer", level=spec.logging.level, json_file=args.log_file)
+    tune_allocator()
     buffer = build(spec, args.resume)
     with Server(args.address, max_frame_bytes=spec.buffer.max_frame_mb << 20) as server:
         role = BufferRole(buffer, server)

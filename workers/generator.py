@@ -41,7 +41,7 @@ from streamrl.messages import (
     Prompts,
     pack,
 )
-from streamrl.transport import AsyncClient
+from streamrl.transport import AsyncClient, tune_allocator
 from workers.engines.client import EngineClient, EngineError
 from workers.reward import RewardPool
 
@@ -285,6 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     log.configure("generator", level=spec.logging.level, json_file=args.log_file)
+    tune_allocator()
     return asyncio.run(_amain(args, spec))
 
 
