@@ -9,8 +9,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from streamrl.errors import ConfigError
-
 
 def _job_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("job", help="job spec YAML file")
@@ -49,13 +47,9 @@ def main(argv: list[str] | None = None) -> int:
 
         return engine_serve(argv[2:])
     args = build_parser().parse_args(argv)
-    from streamrl.config_load import dump_job, load_job
+    from streamrl.config_load import dump_job, load_job_or_exit
 
-    try:
-        spec = load_job(args.job, args.overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    spec = load_job_or_exit(args.job, args.overrides)
     if args.command == "validate":
         print(f"ok: {args.job} ({spec.name})")
     else:

@@ -12,6 +12,7 @@ document before typing, so they go through exactly the same checks as the file.
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,15 @@ def load_job(path: str | Path, overrides: Iterable[str] = ()) -> JobSpec:
     except OSError as e:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
     return parse_job(text, source=str(path), overrides=overrides)
+
+
+def load_job_or_exit(path: str | Path, overrides: Iterable[str] = ()) -> JobSpec:
+    """For command-line entry points: the spec, or the error on stderr and exit status 2."""
+    try:
+        return load_job(path, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def parse_job(text: str, source: str = "<job>", overrides: Iterable[str] = ()) -> JobSpec:

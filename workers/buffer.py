@@ -21,9 +21,9 @@ from pathlib import Path
 from streamrl import log
 from streamrl.buffer import ReplayBuffer, read_snapshot, write_snapshot
 from streamrl.config import JobSpec
-from streamrl.config_load import load_job
+from streamrl.config_load import load_job_or_exit
 from streamrl.data import train_source
-from streamrl.errors import ConfigError, PeerGone, TransportTimeout
+from streamrl.errors import PeerGone, TransportTimeout
 from streamrl.messages import (
     BatchRequest,
     Error,
@@ -171,11 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume", help="buffer snapshot to restore")
     ap.add_argument("--log-file", help="append JSON log lines here instead of stderr")
     args = ap.parse_args(argv)
-    try:
-        spec = load_job(args.job, args.overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    spec = load_job_or_exit(args.job, args.overrides)
     log.configure("buffer", level=spec.logging.level, json_file=args.log_file)
     tune_allocator()
     buffer = build(spec, args.resume)

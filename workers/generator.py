@@ -28,8 +28,8 @@ from typing import Any
 from streamrl import log
 from streamrl.agent import RolloutResult, run_math, run_rstar2
 from streamrl.config import JobSpec
-from streamrl.config_load import load_job
-from streamrl.errors import ConfigError, TransportError
+from streamrl.config_load import load_job_or_exit
+from streamrl.errors import TransportError
 from streamrl.messages import (
     Group,
     GroupAck,
@@ -279,11 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--name", default="gen-0")
     ap.add_argument("--log-file")
     args = ap.parse_args(argv)
-    try:
-        spec = load_job(args.job, args.overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    spec = load_job_or_exit(args.job, args.overrides)
     log.configure("generator", level=spec.logging.level, json_file=args.log_file)
     tune_allocator()
     return asyncio.run(_amain(args, spec))

@@ -122,7 +122,9 @@ def test_cli_validate_exits_zero_or_nonzero_with_a_clear_error(tmp_path: Path, c
     assert cli(["validate", str(TINY)]) == 0
     bad = tmp_path / "bad.yaml"
     bad.write_text(TEXT.replace("groups_per_step: 8", "groups_per_step: -1"))
-    assert cli(["validate", str(bad)]) == 2
+    with pytest.raises(SystemExit) as exited:
+        cli(["validate", str(bad)])
+    assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "buffer.groups_per_step: Expected `int` >= 1" in err and str(bad) in err
 

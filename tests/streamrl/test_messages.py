@@ -10,8 +10,8 @@ from streamrl import messages as m
 from streamrl.errors import DecodeError, FrameTooLarge
 
 
-def make_group(uid: int = 7, n: int = 4, tokens: int = 16) -> m.Group:
-    rng = np.random.default_rng(uid)
+def make_group(uid: int = 7, n: int = 4, tokens: int = 16, seed: int = 0) -> m.Group:
+    rng = np.random.default_rng(seed + uid)
     trajs = [
         m.Trajectory(
             sample_index=i,

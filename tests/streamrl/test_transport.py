@@ -22,33 +22,9 @@ from streamrl import messages as m
 from streamrl.errors import PeerGone, RemoteError, TransportTimeout
 from streamrl.transport import AsyncClient, Client, Server
 from streamrl.transport_inproc import InprocHub
+from tests.streamrl.test_messages import make_group
 
 KINDS = ["ipc", "tcp", "inproc"]
-
-
-def make_group(uid: int, n: int = 4, tokens: int = 50, seed: int = 0) -> m.Group:
-    rng = np.random.default_rng(seed + uid)
-    trajs = [
-        m.Trajectory(
-            sample_index=i,
-            tokens=m.pack("tokens", rng.integers(0, 150_000, tokens)),
-            loss_mask=m.pack("loss_mask", rng.integers(0, 2, tokens)),
-            logprobs=m.pack("logprobs", -rng.random(tokens)),
-            versions=m.pack("versions", np.full(tokens, 3)),
-            reward=float(i % 2),
-            finish_reason="stop",
-            text=f"answer {i}: \\boxed{{{uid}}}",
-        )
-        for i in range(n)
-    ]
-    return m.Group(
-        uid=uid,
-        prompt_id=f"p{uid}",
-        admitted_version=3,
-        generator="gen0",
-        prompt_tokens=m.pack("prompt_tokens", np.arange(17)),
-        trajectories=trajs,
-    )
 
 
 class Net:
