@@ -8,6 +8,7 @@ and the script's resolved arguments.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -31,10 +32,8 @@ def environment() -> dict[str, Any]:
         sha = ""
     versions = {}
     for name in _PACKAGES:
-        try:
+        with contextlib.suppress(metadata.PackageNotFoundError):
             versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
     return {
         "git_sha": sha,
         "machine": f"{platform.machine()} {os.cpu_count()} cores",

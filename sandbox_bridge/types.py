@@ -64,7 +64,12 @@ class SubmissionResult(msgspec.Struct, kw_only=True):
 
 def internal_error(sub_id: str, isolation: str = "") -> SubmissionResult:
     return SubmissionResult(
-        sub_id=sub_id, success=False, run_success=False, cost=0.0, reason="internal_error", isolation=isolation
+        sub_id=sub_id,
+        success=False,
+        run_success=False,
+        cost=0.0,
+        reason="internal_error",
+        isolation=isolation,
     )
 
 

@@ -17,7 +17,9 @@ def test_records_are_json_lines_with_role_rank_step_and_policy_version() -> None
     logger.info("train_step", loss=0.5)
     logger.debug("hidden")  # below the level
     first, second = (json.loads(line) for line in out.getvalue().splitlines())
-    assert first["event"] == "started" and first["role"] == "learner" and first["rank"] == 3 and "pid" in first
+    assert (
+        first["event"] == "started" and first["role"] == "learner" and first["rank"] == 3 and "pid" in first
+    )
     assert "step" not in first
     assert (second["step"], second["policy_version"], second["loss"]) == (7, 6, 0.5)
     assert second["level"] == "info" and second["timestamp"].endswith("Z")
