@@ -30,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     sandbox = sub.add_parser("sandbox", help="the code-execution sandbox")
     sandbox_sub = sandbox.add_subparsers(dest="sandbox_command", required=True)
     sandbox_sub.add_parser("serve", help="serve Code Judge's HTTP API", add_help=False)
+    tiny = sub.add_parser("tiny", help="streamrl's tiny CPU models")
+    tiny_sub = tiny.add_subparsers(dest="tiny_command", required=True)
+    tiny_sub.add_parser("build", help="build and warm-start a tiny model", add_help=False)
+    tiny_sub.add_parser("ensure", help="the cached tiny model folder (built on first use)", add_help=False)
     engine = sub.add_parser("engine", help="the embedded rollout engine")
     engine_sub = engine.add_subparsers(dest="engine_command", required=True)
     engine_sub.add_parser("serve", help="serve SGLang's HTTP API around a Hugging Face model", add_help=False)
@@ -42,6 +46,10 @@ def main(argv: list[str] | None = None) -> int:
         from sandbox_bridge.server import main as serve
 
         return serve(argv[2:])
+    if argv[:1] == ["tiny"]:
+        from streamrl.tiny import main as tiny_main
+
+        return tiny_main(argv[1:])
     if argv[:2] == ["engine", "serve"]:
         from workers.engines.embedded import main as engine_serve
 
