@@ -23,7 +23,9 @@ def _job_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="streamrl", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="streamrl", description="Asynchronous, off-policy, streaming RL for LLM reasoning with tools."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     _job_args(sub.add_parser("validate", help="check a job spec; exit 0 if valid"))
     _job_args(sub.add_parser("print-config", help="print the resolved job spec (defaults filled in)"))
