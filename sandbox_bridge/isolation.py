@@ -302,8 +302,17 @@ def _mount_view(tmpfs_mb: int) -> None:
     """Private mount namespace: everything read-only and nosuid but a private /tmp; /run masked."""
     unshare(CLONE_NEWNS)
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing propagates to or from the host
+    paths = _interpreter_paths()
+    # A venv or checkout under /tmp would vanish under the private tmpfs: hold each by an O_PATH
+    # descriptor across the mount, then bind it back at its own place inside the tmpfs.
+    under_tmp = [p for p in paths if p == "/tmp" or p.startswith("/tmp/")]
+    held = [os.open(p, os.O_PATH | os.O_DIRECTORY) for p in under_tmp]
     mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={tmpfs_mb}m,mode=0755")
-    _expose(_interpreter_paths())
+    for path, fd in zip(under_tmp, held, strict=True):
+        os.makedirs(path, mode=0o755, exist_ok=True)
+        mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+        os.close(fd)
+    _expose([p for p in paths if p not in under_tmp])
     if os.path.isdir("/run") and not os.path.islink("/run"):  # hide host unix sockets
         mount("tmpfs", "/run", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=0755")
     _remount_tree_readonly()
