@@ -1,4 +1,4 @@
-"""Synthetic warm-start text for the tiny CPU models, and the checks that score their answers.
+"""Synthetic warm-start text and per-task settings for the tiny CPU models, and answer checks.
 
 Every text is rendered with `streamrl.templates` and `sandbox_bridge.tool.render_tool_result`, so the
 warm-started model speaks exactly the format the math agent and the rStar2 tool loop parse. The
@@ -12,6 +12,7 @@ prompts come from `SyntheticArithSource`, the same source the RL demos read:
   model can learn that mode but not its arithmetic, so sampling sometimes skips the tool and gets no
   reward, which leaves RL a tool-call rate to raise (the rStar2 story).
 
+`PLANS` holds each task's model depth, batch, learning rate and stopping band (tuned on 2 cores).
 An `Example` is a list of (text, trained) segments: the prompt and the tool turn are context only
 (the agent loop masks tool tokens, roc_and_grpo.md 3.4), the assistant turns are trained on.
 Segments are tokenized one by one, like the agent loop concatenates token ids.
@@ -60,6 +61,7 @@ class Plan:
     heldout: int  # held-out prompts per check
     band: tuple[float, float]  # target greedy held-out accuracy: low enough that RL has room
     copy_prior: float  # scale of the copy-friendly value/output init (0: Hugging Face's init)
+    criterion: Literal["greedy", "sampled"] = "greedy"  # which held-out accuracy the band applies to
 
 
 PLANS: dict[Task, Plan] = {
@@ -70,18 +72,21 @@ PLANS: dict[Task, Plan] = {
         check_every=20,
         snap_every=5,
         heldout=100,
-        band=(0.2, 0.5),
-        copy_prior=0.0,
+        band=(0.2, 0.4),
+        copy_prior=0.2,
     ),
     "tool": Plan(
         layers=2,
         batch=16,
         lr=3e-3,
-        check_every=50,
-        snap_every=10,
-        heldout=48,
+        check_every=25,
+        snap_every=5,
+        heldout=64,
         band=(0.2, 0.5),
         copy_prior=0.2,
+        # Greedy decoding is right long before sampling is: at the first check inside the greedy band,
+        # sampling at temperature 1 (as RL does) calls the tool 20% of the time and answers 0%.
+        criterion="sampled",
     ),
 }
 WARMUP_STEPS = 20

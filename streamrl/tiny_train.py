@@ -1,4 +1,4 @@
-"""The tiny models' supervised warm start: batching with a shared-prefix trick, and greedy held-out checks.
+"""The tiny models' supervised warm start: shared-prefix batching, held-out checks, the stopping rule.
 
 Speed is the whole game on 2 CPU cores. Two things make it affordable:
 
@@ -9,9 +9,10 @@ Speed is the whole game on 2 CPU cores. Two things make it affordable:
 * Right padding without an attention mask. The model is causal, so a real token never attends to the
   padding after it; padded positions are simply not in the loss.
 
-Held-out checks decode greedily with the model's own KV cache, like the agent loop: the tool task
-parses the first turn's `<tool_call>`, answers it with `tiny_data.run_formulaic` (the sandbox's
-output for that formula, without starting a sandbox) and decodes the second turn.
+Held-out checks decode (greedy, or sampled at temperature 1 with a seeded generator) with the
+model's own KV cache, like the agent loop: the tool task parses the first turn's `<tool_call>`,
+answers it with `tiny_data.run_formulaic` (the sandbox's output for that formula, without starting
+a sandbox) and decodes the second turn.
 """
 
 from __future__ import annotations
@@ -114,10 +115,19 @@ def sft_loss(model: PreTrainedModel, batch: Batch) -> torch.Tensor:
 
 
 @torch.no_grad()
-def greedy(
-    model: PreTrainedModel, seqs: Sequence[list[int]], max_new: int, eos: int, pad: int
+def decode(
+    model: PreTrainedModel,
+    seqs: Sequence[list[int]],
+    max_new: int,
+    eos: int,
+    pad: int,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
 ) -> list[list[int]]:
-    """Greedy continuation of each sequence (left-padded, KV-cached), cut after the first `eos`."""
+    """Continue each sequence (left-padded, KV-cached), cut after the first `eos`.
+
+    Greedy at temperature 0, else plain sampling (no top-k/top-p, as the RL rollouts sample).
+    """
     width = max(len(s) for s in seqs)
     ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs], dtype=torch.long)
     mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], dtype=torch.long)
@@ -131,7 +141,12 @@ def greedy(
             step_ids, attention_mask=mask, position_ids=step_pos, past_key_values=cache, use_cache=True
         )
         cache = res.past_key_values
-        nxt = res.logits[:, -1].argmax(-1)  # (B,)
+        logits = res.logits[:, -1]  # (B, V)
+        if temperature > 0:
+            probs = torch.softmax(logits.float() / temperature, dim=-1)
+            nxt = torch.multinomial(probs, 1, generator=generator)[:, 0]
+        else:
+            nxt = logits.argmax(-1)  # (B,)
         for r in range(len(seqs)):
             if not done[r]:
                 out[r].append(int(nxt[r]))
@@ -146,30 +161,41 @@ def greedy(
 
 @dataclass
 class EvalResult:
-    accuracy: float  # greedy final \boxed{} equals the answer
+    accuracy: float  # the final \boxed{} equals the answer
     tool_call_rate: float | None  # first turn holds a well-formed python_code_with_standard_io call
     tool_success_rate: float | None  # ... and its code ran without error
     samples: list[str]  # the first few decoded responses, for eyeballing
 
 
 def evaluate(
-    model: PreTrainedModel, tok: PreTrainedTokenizerFast, task: Task, items: Sequence[PromptItem]
+    model: PreTrainedModel,
+    tok: PreTrainedTokenizerFast,
+    task: Task,
+    items: Sequence[PromptItem],
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> EvalResult:
+    """Greedy (temperature 0) or sampled answers to `items`, through the tool loop for `tool`."""
     was_training = model.training
     model.eval()
     try:
-        return _evaluate(model, tok, task, items)
+        return _evaluate(model, tok, task, items, temperature, torch.Generator().manual_seed(seed))
     finally:
         model.train(was_training)
 
 
 def _evaluate(
-    model: PreTrainedModel, tok: PreTrainedTokenizerFast, task: Task, items: Sequence[PromptItem]
+    model: PreTrainedModel,
+    tok: PreTrainedTokenizerFast,
+    task: Task,
+    items: Sequence[PromptItem],
+    temperature: float,
+    gen: torch.Generator,
 ) -> EvalResult:
     eos, pad = tok.convert_tokens_to_ids(templates.IM_END), tok.pad_token_id
     assert isinstance(eos, int) and pad is not None
     prompts = _encode(tok, [prompt_text(task, it) for it in items])
-    first = greedy(model, prompts, max_new=12 if task == "arith" else 96, eos=eos, pad=pad)
+    first = decode(model, prompts, 12 if task == "arith" else 96, eos, pad, temperature, gen)
     first_text = [tok.decode(ids) for ids in first]
     if task == "arith":
         correct = [last_boxed(t) == it.answer for t, it in zip(first_text, items, strict=True)]
@@ -181,7 +207,7 @@ def _evaluate(
     if called:
         turns = _encode(tok, [templates.tool_turn([render_tool_result(results[r])]) for r in called])
         contexts = [prompts[r] + first[r] + turns[i] for i, r in enumerate(called)]
-        second = greedy(model, contexts, max_new=48, eos=eos, pad=pad)
+        second = decode(model, contexts, 48, eos, pad, temperature, gen)
         for i, r in enumerate(called):
             finals[r] = tok.decode(turns[i] + second[i])
     correct = [last_boxed(t) == it.answer for t, it in zip(finals, items, strict=True)]
@@ -196,34 +222,35 @@ def _evaluate(
 
 @torch.no_grad()
 def copy_prior_init(model: PreTrainedModel, scale: float) -> None:
-    """Start every attention head as a copier: output = scale * P^T P (normed input), P orthonormal.
+    """Start the last layer's attention heads as copiers: output = scale * P^T P v, P orthonormal.
 
     With tied embeddings, attending to a token then raises that token's own logit from step 0, so
-    training only has to learn *where* to look. From Hugging Face's random init a 2-layer model sits
-    on a loss plateau for 600-1500+ steps before it discovers copying (question -> code, stdout ->
-    answer); with this init the plateau is gone or a few hundred steps (measured, seeds 0-2).
+    training only has to learn *where* to look. From Hugging Face's random init the 2-layer tool
+    model sits on a loss plateau for 600-1500+ steps before it discovers copying (question -> code,
+    stdout -> answer); with this init the jump comes after about 100 steps. Only the last layer: the
+    same init in every layer made one of the two copies stall again (measured, seeds 0-2).
     """
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     group = cfg.num_attention_heads // cfg.num_key_value_heads
-    for layer in model.model.layers:
-        attn = layer.self_attn
-        basis, _ = torch.linalg.qr(torch.randn(cfg.hidden_size, cfg.num_key_value_heads * head_dim))
-        attn.v_proj.weight.copy_(basis.T)  # (kv*hd, H): project onto an orthonormal subspace
-        if attn.v_proj.bias is not None:
-            attn.v_proj.bias.zero_()
-        for h in range(cfg.num_attention_heads):
-            kv = slice((h // group) * head_dim, (h // group + 1) * head_dim)
-            attn.o_proj.weight[:, h * head_dim : (h + 1) * head_dim] = scale * basis[:, kv]  # and back
+    attn = model.model.layers[-1].self_attn
+    basis, _ = torch.linalg.qr(torch.randn(cfg.hidden_size, cfg.num_key_value_heads * head_dim))  # (H, kv*hd)
+    attn.v_proj.weight.copy_(basis.T)  # project the normed input onto an orthonormal subspace ...
+    if attn.v_proj.bias is not None:
+        attn.v_proj.bias.zero_()
+    for h in range(cfg.num_attention_heads):
+        kv = slice((h // group) * head_dim, (h // group + 1) * head_dim)
+        attn.o_proj.weight[:, h * head_dim : (h + 1) * head_dim] = scale * basis[:, kv]  # ... and back
 
 
 @dataclass
 class WarmStart:
     steps: int  # the step whose weights the model holds at the end
-    train_loss: float  # mean of the last 20 steps' losses
-    result: EvalResult
+    train_loss: float  # mean of the last 20 training steps' losses (before any rollback)
+    greedy: EvalResult  # held-out results of the kept weights
+    sampled: EvalResult  # ... at temperature 1, as RL rollouts sample
     stopped: str  # "band" | "rollback" | "budget"
-    history: list[dict[str, float]]
+    history: list[dict[str, float]]  # one row per check: step, elapsed_s, the criterion's accuracy
 
 
 def warm_start(
@@ -237,30 +264,38 @@ def warm_start(
 ) -> WarmStart:
     """Seeded SFT until held-out accuracy enters `plan.band` or `time.monotonic()` nears `deadline`.
 
-    Copying is learned in a sharp jump (0% to 80% within ~50 steps), so a check can land above the
-    band; it then binary-searches the snapshots taken since the previous check for one inside it.
-    Checks happen at fixed steps, so the result depends only on the seed unless the deadline hits.
+    Accuracy is `plan.criterion`'s: greedy, or sampled at temperature 1 (seeded). Learning to copy
+    comes in a sharp jump, so a check can land above the band; it then binary-searches the snapshots
+    taken since the previous check for one inside it. Checks happen at fixed steps, so the result
+    depends only on the seed unless the deadline hits.
     """
     held = heldout(task, seed, plan.heldout)
     stream = train_stream(task, seed, exclude={str(it.text) for it in held})
     opt = torch.optim.AdamW(model.parameters(), lr=plan.lr, betas=(0.9, 0.95), weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / WARMUP_STEPS))
-    low, high = plan.band
+    temperature = 1.0 if plan.criterion == "sampled" else 0.0
     losses: list[float] = []
     history: list[dict[str, float]] = []
     snaps: list[tuple[int, dict[str, torch.Tensor]]] = []
-    check_s, step = 1.0, 0
+    check_s, step, began = 1.0, 0, time.monotonic()
 
     def check(at: int) -> EvalResult:
         nonlocal check_s
         t0 = time.monotonic()
-        res = evaluate(model, tok, task, held)
+        res = evaluate(model, tok, task, held, temperature, seed)
         check_s = max(check_s, time.monotonic() - t0)
-        row = {"step": at, "accuracy": res.accuracy}
+        row = {
+            "step": at,
+            "elapsed_s": round(time.monotonic() - began, 1),
+            f"{plan.criterion}_accuracy": res.accuracy,
+        }
         if res.tool_call_rate is not None:
-            row["tool_call_rate"] = res.tool_call_rate
+            row[f"{plan.criterion}_tool_call_rate"] = res.tool_call_rate
         history.append(row)
         return res
+
+    def loss_now() -> float:
+        return sum(losses[-20:]) / len(losses[-20:])
 
     model.train()
     while True:
@@ -273,22 +308,25 @@ def warm_start(
         sched.step()
         step += 1
         losses.append(loss.item())
-        over = time.monotonic() + 2 * check_s >= deadline  # room for a final check (and a rollback step)
+        # Keep room for this check, a rollback probe and the report's other evaluation.
+        over = time.monotonic() + 3 * check_s >= deadline
         if step % plan.check_every == 0 or over:
             res = check(step)
-            kept, stopped = step, "band" if low <= res.accuracy <= high else "budget" if over else ""
-            if res.accuracy > high:
-                kept, res = _roll_back(model, snaps, (step, res), check, plan.band)
+            kept, stopped = step, "band" if plan.band[0] <= res.accuracy <= plan.band[1] else ""
+            if res.accuracy > plan.band[1]:
+                kept, res = _roll_back(model, snaps, (step, res), check, plan.band, deadline, check_s)
                 stopped = "rollback" if kept != step else "band"
-            on_update(step, sum(losses[-20:]) / len(losses[-20:]), history)
+            stopped = stopped or ("budget" if over else "")
+            on_update(step, loss_now(), history)
             if stopped:
-                recent = losses[-20:]
-                return WarmStart(kept, sum(recent) / len(recent), res, stopped, history)
+                other = evaluate(model, tok, task, held, 1.0 - temperature, seed)
+                greedy, sampled = (other, res) if temperature else (res, other)
+                return WarmStart(kept, loss_now(), greedy, sampled, stopped, history)
             snaps.clear()
         elif step % plan.snap_every == 0:
             snaps.append((step, {k: v.detach().clone() for k, v in model.state_dict().items()}))
         if step % 10 == 0:
-            on_update(step, sum(losses[-20:]) / len(losses[-20:]), history)
+            on_update(step, loss_now(), history)
 
 
 def _roll_back(
@@ -297,13 +335,19 @@ def _roll_back(
     current: tuple[int, EvalResult],
     check: Callable[[int], EvalResult],
     band: tuple[float, float],
+    deadline: float,
+    check_s: float,
 ) -> tuple[int, EvalResult]:
-    """Binary-search snapshots (oldest first) for accuracy inside `band`; else keep the closest."""
+    """Binary-search snapshots (oldest first) for accuracy inside `band`; else keep the closest.
+
+    Accuracy is noisy and not monotone in the step, so this is a heuristic: it probes at most
+    log2(len(snaps)) + 1 snapshots and never one past the deadline.
+    """
     low, high = band
     latest = {k: v.detach().clone() for k, v in model.state_dict().items()}
     tried: list[tuple[int, EvalResult, dict[str, torch.Tensor]]] = [(current[0], current[1], latest)]
     lo, hi = 0, len(snaps) - 1
-    while lo <= hi:
+    while lo <= hi and time.monotonic() + 2 * check_s < deadline:
         mid = (lo + hi) // 2
         model.load_state_dict(snaps[mid][1])
         res = check(snaps[mid][0])

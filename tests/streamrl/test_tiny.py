@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from streamrl import templates, tiny, tiny_data
 from streamrl.cli import main as cli_main
-from streamrl.tiny_train import encode, sft_loss
+from streamrl.tiny_train import EvalResult, _roll_back, copy_prior_init, encode, evaluate, sft_loss
 
 ROUND_TRIP = [
     "a  b   c",
@@ -80,7 +80,7 @@ def test_random_model_dir_loads_with_automodel_and_generates(model_dir: Path) ->
 
 def test_shared_prefix_loss_equals_the_full_sequence_loss(model_dir: Path) -> None:
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir).requires_grad_(False)
     stream = tiny_data.train_stream("tool", 0, set())
     examples = [next(stream) for _ in range(3)]
     batch = encode(tok, examples)
@@ -203,3 +203,48 @@ def test_default_cache_root_follows_streamrl_cache(monkeypatch: pytest.MonkeyPat
     assert tiny.cache_root() == tmp_path / "tiny"
     monkeypatch.delenv("STREAMRL_CACHE")
     assert tiny.cache_root() == Path.home() / ".cache" / "streamrl" / "tiny"
+
+
+def test_copy_prior_makes_each_last_layer_head_a_scaled_projection(model_dir: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(model_dir).requires_grad_(False)
+    copy_prior_init(model, 0.2)
+    attn, cfg = model.model.layers[-1].self_attn, model.config
+    hd = cfg.hidden_size // cfg.num_attention_heads
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    for h in range(cfg.num_attention_heads):
+        kv = h // group
+        m = (
+            attn.o_proj.weight[:, h * hd : (h + 1) * hd] @ attn.v_proj.weight[kv * hd : (kv + 1) * hd]
+        )  # (H, H)
+        assert torch.allclose(m @ m, 0.2 * m, atol=1e-5) and torch.allclose(m, m.T, atol=1e-6)
+        assert float(torch.trace(m)) == pytest.approx(0.2 * hd, rel=1e-4)  # rank hd: copies a subspace
+
+
+def test_sampled_evaluation_is_reproducible_given_its_seed(model_dir: Path) -> None:
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    items = tiny_data.heldout("arith", 0, 4)
+    a, b = (evaluate(model, tok, "arith", items, temperature=1.0, seed=5) for _ in range(2))
+    assert a.samples == b.samples
+    assert evaluate(model, tok, "arith", items, temperature=1.0, seed=6).samples != a.samples
+
+
+def test_rollback_finds_a_snapshot_inside_the_band_or_keeps_the_closest() -> None:
+    model = torch.nn.Linear(1, 1, bias=False).requires_grad_(
+        False
+    )  # the weight stands for "the accuracy these weights get"
+
+    def state(acc: float) -> dict[str, torch.Tensor]:
+        return {"weight": torch.tensor([[acc]])}
+
+    def check(_: int) -> EvalResult:
+        return EvalResult(float(model.weight), None, None, [])
+
+    snaps = [(5 * i, state(acc)) for i, acc in enumerate([0.0, 0.1, 0.3, 0.7], start=1)]
+    model.load_state_dict(state(0.9))
+    step, res = _roll_back(model, snaps, (25, check(25)), check, (0.2, 0.5), float("inf"), 0.0)
+    assert (step, res.accuracy) == (15, pytest.approx(0.3)) and float(model.weight) == pytest.approx(0.3)
+    snaps = [(5, state(0.1)), (10, state(0.55))]  # jumped over the band: keep what is closest to it
+    model.load_state_dict(state(0.95))
+    step, res = _roll_back(model, snaps, (15, check(15)), check, (0.2, 0.5), float("inf"), 0.0)
+    assert step == 10 and float(model.weight) == pytest.approx(0.55)
