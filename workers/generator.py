@@ -1,6 +1,7 @@
 """The generator role: prompts from the buffer, n_samples rollouts each across engines, scored groups back.
 
     python -m workers.generator --job JOB.yaml --buffer ADDR --engines URL[,URL...] --model DIR [--name gen-0]
+        [--metrics-dir RUN_DIR]     # a metrics record every 5 s to RUN_DIR/metrics-generator-<name>.jsonl
 
         buffer ──Prompts──▶ group task per prompt ──n_samples──▶ agent loop ──HTTP──▶ engines
            ▲                      │                                   └──────────▶ sandbox (tool calls)
@@ -41,6 +42,7 @@ from streamrl.messages import (
     Prompts,
     pack,
 )
+from streamrl.metrics import MetricsWriter, RolloutMeter, TimedSandbox
 from streamrl.transport import AsyncClient, tune_allocator
 from workers.engines.client import EngineClient, EngineError
 from workers.reward import RewardPool
@@ -100,10 +102,15 @@ class GeneratorRole:
         rewards: RewardPool,
         sandbox: Any = None,
         engine_wait_s: float = 60.0,
+        metrics: MetricsWriter | None = None,
+        metrics_every_s: float = 5.0,
     ) -> None:
         self.spec, self.client, self.engines = spec, client, engines
-        self.tokenizer, self.rewards, self.sandbox = tokenizer, rewards, sandbox
+        self.meter = RolloutMeter()
+        self.tokenizer, self.rewards = tokenizer, rewards
+        self.sandbox = None if sandbox is None else TimedSandbox(sandbox, self.meter)
         self.engine_wait_s = engine_wait_s
+        self.metrics, self.metrics_every_s = metrics, metrics_every_s
         self.n = spec.rollout.n_samples
         self.free = spec.rollout.concurrency  # trajectories not yet promised to a prompt
         self._acks: dict[int, asyncio.Future[GroupAck]] = {}
@@ -172,8 +179,10 @@ class GeneratorRole:
                 self.stats["engine_retries"] += 1  # rerun this sample from scratch elsewhere
 
     async def _rollout(self, prompt: Prompt, index: int) -> tuple[RolloutResult, float]:
-        result = await self._sample(prompt, index)
-        reward = await self.rewards.score(result.text, prompt.answer)
+        with self.meter.tracking():
+            result = await self._sample(prompt, index)
+            reward = await self.rewards.score(result.text, prompt.answer)
+        self.meter.record(result, reward.score)
         return result, reward.score
 
     async def _group(self, prompt: Prompt) -> None:
@@ -207,9 +216,20 @@ class GeneratorRole:
 
     # ------------------------------------------------------------------ main loop
 
+    def _write_metrics(self) -> None:
+        if self.metrics is not None:
+            self.metrics.write({**self.meter.snapshot(), "groups_sent": self.stats["groups_sent"]})
+
+    async def _metrics_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.metrics_every_s)
+            self._write_metrics()
+
     async def run(self) -> None:
         tasks: set[asyncio.Task[None]] = set()
         background = [asyncio.create_task(self._receive()), asyncio.create_task(self.engines.probe_forever())]
+        if self.metrics is not None:
+            background.append(asyncio.create_task(self._metrics_forever()))
         last_beat = 0.0
         try:
             while not self.stopping.is_set():
@@ -233,6 +253,7 @@ class GeneratorRole:
             for t in [*tasks, *background]:
                 t.cancel()
             await asyncio.gather(*tasks, *background, return_exceptions=True)
+            self._write_metrics()  # the last partial interval
 
 
 async def _amain(args: argparse.Namespace, spec: JobSpec) -> int:
@@ -245,10 +266,20 @@ async def _amain(args: argparse.Namespace, spec: JobSpec) -> int:
     sandbox = make_sandbox(spec.sandbox) if spec.rollout.agent == "rstar2_tool" else None
     rewards = RewardPool.from_config(spec.reward)
     client = AsyncClient(args.buffer, role="generator", name=args.name)
+    metrics = None if args.metrics_dir is None else MetricsWriter(args.metrics_dir, "generator", args.name)
     try:
         await client.connect(timeout_s=60.0)
         await engines.wait_started(timeout_s=120.0)
-        role = GeneratorRole(spec, client, engines, tokenizer, rewards, sandbox)
+        role = GeneratorRole(
+            spec,
+            client,
+            engines,
+            tokenizer,
+            rewards,
+            sandbox,
+            metrics=metrics,
+            metrics_every_s=args.metrics_every_s,
+        )
         loop = asyncio.get_running_loop()
         for sig in ("SIGTERM", "SIGINT"):
             import signal
@@ -266,6 +297,8 @@ async def _amain(args: argparse.Namespace, spec: JobSpec) -> int:
             await e.close()
         if sandbox is not None:
             await sandbox.close()
+        if metrics is not None:
+            metrics.close()
     return 0
 
 
@@ -278,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", required=True, type=Path, help="model folder (for the tokenizer)")
     ap.add_argument("--name", default="gen-0")
     ap.add_argument("--log-file")
+    ap.add_argument("--metrics-dir", type=Path, help="run folder for metrics records (none if not given)")
+    ap.add_argument("--metrics-every-s", type=float, default=5.0, help="seconds between metrics records")
     args = ap.parse_args(argv)
     spec = load_job_or_exit(args.job, args.overrides)
     log.configure("generator", level=spec.logging.level, json_file=args.log_file)
