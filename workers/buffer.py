@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from streamrl import log
 from streamrl.buffer import ReplayBuffer, read_snapshot, write_snapshot
@@ -50,8 +51,8 @@ STATS_EVERY_S = 10.0
 class BufferRole:
     """Dispatches decoded messages to the ReplayBuffer and tracks generator liveness."""
 
-    def __init__(self, buffer: ReplayBuffer, server: Server | InprocServer) -> None:
-        self.buffer, self.server = buffer, server
+    def __init__(self, buffer: ReplayBuffer, server: Server | InprocServer, metrics: Any = None) -> None:
+        self.buffer, self.server, self.metrics = buffer, server, metrics
         self.last_seen: dict[str, float] = {}
         self.stopping = threading.Event()
         server.on_hello = self._on_hello
@@ -154,6 +155,27 @@ class BufferRole:
             staleness=dict(b.staleness),
             transport=dict(self.server.stats),
         )
+        if self.metrics is not None:
+            self.metrics.write(buffer_metrics(b), step=b.version)
+
+
+def buffer_metrics(b: ReplayBuffer) -> dict[str, Any]:
+    """Counters as a metrics record: totals since start plus the RoC keep rates."""
+    c = b.counters
+    completed = c["accepted"] + sum(v for k, v in c.items() if k.startswith("dropped_roc"))
+    return {
+        "ready": len(b.ready),
+        "in_flight": len(b.in_flight),
+        "capacity": b.capacity(),
+        **{f"groups_{k}": v for k, v in c.items()},
+        "staleness": {str(k): v for k, v in b.staleness.items()},
+        # Groups that survived RoC's filters (reject-equal-reward, empty selections) ...
+        "roc_keep_rate": c["accepted"] / completed if completed else None,
+        # ... and trajectories kept (down-sampling and filtering) among all received.
+        "roc_trajectory_keep_rate": c["trajectories_kept"] / c["trajectories_in"]
+        if c["trajectories_in"]
+        else None,
+    }
 
 
 def build(spec: JobSpec, resume: str | None = None) -> ReplayBuffer:
@@ -170,13 +192,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--address", required=True, help="ipc:// or tcp:// address to bind")
     ap.add_argument("--resume", help="buffer snapshot to restore")
     ap.add_argument("--log-file", help="append JSON log lines here instead of stderr")
+    ap.add_argument("--metrics-dir", type=Path, help="run dir for metrics-buffer-buffer.jsonl")
     args = ap.parse_args(argv)
     spec = load_job_or_exit(args.job, args.overrides)
     log.configure("buffer", level=spec.logging.level, json_file=args.log_file)
     tune_allocator()
     buffer = build(spec, args.resume)
     with Server(args.address, max_frame_bytes=spec.buffer.max_frame_mb << 20) as server:
-        role = BufferRole(buffer, server)
+        metrics = None
+        if args.metrics_dir is not None:
+            from streamrl.metrics import MetricsWriter
+
+            metrics = MetricsWriter(args.metrics_dir, "buffer", "buffer", tensorboard=False)
+        role = BufferRole(buffer, server, metrics)
         signal.signal(signal.SIGTERM, lambda *_: role.stopping.set())
         signal.signal(signal.SIGINT, lambda *_: role.stopping.set())
         logger.info(

@@ -158,3 +158,22 @@ def test_a_silent_generator_is_presumed_dead_and_its_prompts_go_to_another() -> 
         role.stopping.set()
         thread.join(timeout=5)
     assert not thread.is_alive()
+
+
+def test_buffer_metrics_report_roc_keep_rates() -> None:
+    from collections import Counter
+
+    from workers.buffer import buffer_metrics
+
+    class Stub:
+        counters = Counter(accepted=3, dropped_roc_equal_reward=1, trajectories_in=32, trajectories_kept=12)
+        ready, in_flight, staleness = [1], {}, Counter({0: 2, 1: 1})
+
+        def capacity(self) -> int:
+            return 5
+
+    out = buffer_metrics(Stub())  # type: ignore[arg-type]
+    assert out["roc_keep_rate"] == 0.75
+    assert out["roc_trajectory_keep_rate"] == 12 / 32
+    assert out["staleness"] == {"0": 2, "1": 1}
+    assert out["groups_accepted"] == 3 and out["ready"] == 1 and out["capacity"] == 5
