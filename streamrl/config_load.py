@@ -23,6 +23,29 @@ import yaml
 from streamrl.config import JobSpec, SGLangEngine
 from streamrl.errors import ConfigError
 
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads `1e-4` (no dot) as a string; learning rates are written that way, so accept
+    any decimal or exponent float, as YAML 1.2 does."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
 _AT_PATH = re.compile(r"^(?P<msg>.*) - at `\$(?P<path>[^`]*)`$", re.DOTALL)
 _FIELD_IN_MSG = re.compile(r"(?:unknown|missing required) field `(?P<field>[^`]+)`")
 
@@ -49,7 +72,7 @@ def load_job_or_exit(path: str | Path, overrides: Iterable[str] = ()) -> JobSpec
 def parse_job(text: str, source: str = "<job>", overrides: Iterable[str] = ()) -> JobSpec:
     try:
         root = yaml.compose(text, Loader=yaml.SafeLoader)
-        raw = yaml.safe_load(text)
+        raw = _yaml(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{source}:{mark.line + 1}" if mark is not None else source
@@ -78,7 +101,7 @@ def apply_override(raw: dict[str, Any], item: str) -> tuple[str, ...]:
         raise ConfigError(f"--set {item!r}: expected KEY.PATH=VALUE")
     keys = tuple(key.strip().split("."))
     try:
-        parsed = yaml.safe_load(value) if value.strip() else None
+        parsed = _yaml(value) if value.strip() else None
     except yaml.YAMLError:
         parsed = value
     node: Any = raw

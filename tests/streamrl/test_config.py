@@ -113,6 +113,13 @@ def test_overrides_are_typed_like_the_file_and_say_they_came_from_set() -> None:
     assert "expected KEY.PATH=VALUE" in _error(TEXT, "buffer.max_staleness")
 
 
+def test_exponent_floats_without_a_dot_are_numbers_in_files_and_overrides() -> None:
+    # YAML 1.1 would read 1e-4 as a string and reject a perfectly ordinary learning rate.
+    spec = parse_job(TEXT + "learner: {lr: 1e-4}\n", "job.yaml", ["algorithm.clip_high=2.8e-1"])
+    assert spec.learner.lr == 1e-4 and spec.algorithm.clip_high == 0.28
+    assert parse_job(TEXT, "job.yaml", ["learner.lr=3e-5"]).learner.lr == 3e-5
+
+
 def test_an_override_can_switch_a_tagged_variant() -> None:
     spec = parse_job(TEXT, "job.yaml", ["sandbox.type=code_judge", "sandbox.url=http://127.0.0.1:1"])
     assert spec.sandbox is not None and spec.sandbox.url == "http://127.0.0.1:1"
