@@ -36,9 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
     tiny_sub = tiny.add_subparsers(dest="tiny_command", required=True)
     tiny_sub.add_parser("build", help="build and warm-start a tiny model", add_help=False)
     tiny_sub.add_parser("ensure", help="the cached tiny model folder (built on first use)", add_help=False)
+    sub.add_parser("launch", help="run a job: plan, start and supervise every role", add_help=False)
     engine = sub.add_parser("engine", help="the embedded rollout engine")
     engine_sub = engine.add_subparsers(dest="engine_command", required=True)
     engine_sub.add_parser("serve", help="serve SGLang's HTTP API around a Hugging Face model", add_help=False)
+    sub.add_parser("export", help="write a checkpoint as a Hugging Face model folder", add_help=False)
+    sub.add_parser(
+        "report", help="plot a run's metrics (RUN_DIR/report/*.png) and print a summary", add_help=False
+    )
     return parser
 
 
@@ -52,10 +57,22 @@ def main(argv: list[str] | None = None) -> int:
         from streamrl.tiny import main as tiny_main
 
         return tiny_main(argv[1:])
+    if argv[:1] == ["launch"]:
+        from streamrl.launch.run import main as launch_main
+
+        return launch_main(argv[1:])
     if argv[:2] == ["engine", "serve"]:
         from workers.engines.embedded import main as engine_serve
 
         return engine_serve(argv[2:])
+    if argv[:1] == ["export"]:
+        from streamrl.export import main as export_main
+
+        return export_main(argv[1:])
+    if argv[:1] == ["report"]:
+        from streamrl.report import main as report_main
+
+        return report_main(argv[1:])
     args = build_parser().parse_args(argv)
     from streamrl.config_load import dump_job, load_job_or_exit
 

@@ -56,8 +56,9 @@ def test_a_wrong_type_names_the_key_path_and_line() -> None:
 
 
 def test_an_unknown_key_is_rejected_with_its_own_line() -> None:
-    msg = _error(TEXT.replace("  lr: 3.0e-4", "  lr: 3.0e-4\n  lrr: 2"))
-    line = TEXT.splitlines().index("  lr: 3.0e-4") + 2
+    lr = next(x for x in TEXT.splitlines() if x.startswith("  lr: "))
+    msg = _error(TEXT.replace(lr, lr + "\n  lrr: 2"))
+    line = TEXT.splitlines().index(lr) + 2
     assert msg == f"job.yaml:{line}: learner.lrr: Object contains unknown field `lrr`"
 
 
@@ -115,7 +116,8 @@ def test_overrides_are_typed_like_the_file_and_say_they_came_from_set() -> None:
 
 def test_exponent_floats_without_a_dot_are_numbers_in_files_and_overrides() -> None:
     # YAML 1.1 would read 1e-4 as a string and reject a perfectly ordinary learning rate.
-    spec = parse_job(TEXT + "learner: {lr: 1e-4}\n", "job.yaml", ["algorithm.clip_high=2.8e-1"])
+    lr = next(x for x in TEXT.splitlines() if x.startswith("  lr: "))
+    spec = parse_job(TEXT.replace(lr, "  lr: 1e-4"), "job.yaml", ["algorithm.clip_high=2.8e-1"])
     assert spec.learner.lr == 1e-4 and spec.algorithm.clip_high == 0.28
     assert parse_job(TEXT, "job.yaml", ["learner.lr=3e-5"]).learner.lr == 3e-5
 
