@@ -66,6 +66,7 @@ class RunData:
     learner: list[Record] = field(default_factory=list)
     evals: list[Record] = field(default_factory=list)
     generators: dict[str, list[Record]] = field(default_factory=dict)
+    buffer: list[Record] = field(default_factory=list)
 
     @classmethod
     def from_records(cls, records: Iterable[Record]) -> RunData:
@@ -78,6 +79,8 @@ class RunData:
                 data.evals.append(r)
             elif role == "generator":
                 data.generators.setdefault(str(r.get("name")), []).append(r)
+            elif role == "buffer":
+                data.buffer.append(r)
         return data
 
     def empty(self) -> bool:
@@ -278,8 +281,11 @@ def plot_throughput(data: RunData) -> Figure | str:
 
 
 def plot_roc(data: RunData) -> Figure | str:
-    p = Panel("RoC keep rate", "step", ylabel="kept / generated")
-    p.add("roc_keep_rate", _xy(data.learner, "roc_keep_rate", "step"))
+    """The buffer's running totals: groups that survived RoC's filters, trajectories it kept."""
+    scale, wall = _wall(data)
+    p = Panel("RoC keep rate (since start)", wall, ylabel="kept / received")
+    p.add("groups", scale(_xy(data.buffer, "roc_keep_rate", "wall_s")))
+    p.add("trajectories", scale(_xy(data.buffer, "roc_trajectory_keep_rate", "wall_s")))
     return _draw([p], "roc_keep_rate")
 
 

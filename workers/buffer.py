@@ -167,7 +167,7 @@ def buffer_metrics(b: ReplayBuffer) -> dict[str, Any]:
         "ready": len(b.ready),
         "in_flight": len(b.in_flight),
         "capacity": b.capacity(),
-        **{f"groups_{k}": v for k, v in c.items()},
+        **c,
         "staleness": {str(k): v for k, v in b.staleness.items()},
         # Groups that survived RoC's filters (reject-equal-reward, empty selections) ...
         "roc_keep_rate": c["accepted"] / completed if completed else None,

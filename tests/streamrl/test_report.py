@@ -47,7 +47,6 @@ def learner_values(step: int) -> dict[str, object]:
         "response_len_mean": 20.0 + step,
         "staleness": {"0": 6, "1": 2} if step % 2 else {"0": 8},
         "staleness_mean": 0.25 if step % 2 else 0.0,
-        "roc_keep_rate": 0.5,
         "tool_calls_mean": 1.2,
         "tool_success_rate": 0.9,
         **SYNC,
@@ -66,6 +65,9 @@ def write_run(run_dir: Path, evals: bool = True, generators: bool = True) -> Non
                     step=step,
                     role="eval",
                 )
+    with MetricsWriter(run_dir, "buffer", "buffer", tensorboard=False) as b:
+        for i in range(3):
+            b.write({"roc_keep_rate": 0.5 + 0.1 * i, "roc_trajectory_keep_rate": 0.4}, step=i)
     if generators:
         for name in ("gen-0", "gen-1"):
             with MetricsWriter(run_dir, "generator", name, tensorboard=False) as g:

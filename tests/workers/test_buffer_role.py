@@ -105,15 +105,22 @@ def test_malformed_frames_get_clear_errors_while_the_buffer_keeps_serving(tmp_pa
                 raw.send(m.encode(m.Hello(role="generator", name="rogue")))
                 assert raw.poll(5000), "no Ready"
                 assert isinstance(m.decode(raw.recv()), m.Ready)
-                for frame, code in [
-                    (b"\xc1garbage", "bad_frame"),
-                    (msgspec.msgpack.encode({"type": "teleport"}), "bad_frame"),
-                    (m.encode(m.Ready(protocol=1, policy_version=0)), "unexpected"),
+                heartbeat = m.encode(m.Heartbeat(sent_at=0.0))
+                for frames, code in [
+                    ([b"\xc1garbage"], "bad_frame"),
+                    ([b""], "bad_frame"),
+                    ([msgspec.msgpack.encode({"type": "teleport"})], "bad_frame"),
+                    ([m.encode(m.Ready(protocol=1, policy_version=0))], "unexpected"),
+                    # A valid message with frames after it is refused whole, not half-read.
+                    ([heartbeat, b"extra"], "bad_frame"),
+                    ([heartbeat, heartbeat, heartbeat], "bad_frame"),
                 ]:
-                    raw.send(frame)
+                    raw.send_multipart(frames)
                     assert raw.poll(5000), "no answer to a malformed frame"
                     reply = m.decode(raw.recv())
                     assert isinstance(reply, m.Error) and reply.code == code, reply
+                    if len(frames) > 1:
+                        assert f"{len(frames)} frames in one message, expected 1" in reply.detail
             finally:
                 raw.close()
             # A group with broken arrays is rejected by name, and its prompt is dispatched again.
@@ -176,4 +183,4 @@ def test_buffer_metrics_report_roc_keep_rates() -> None:
     assert out["roc_keep_rate"] == 0.75
     assert out["roc_trajectory_keep_rate"] == 12 / 32
     assert out["staleness"] == {"0": 2, "1": 1}
-    assert out["groups_accepted"] == 3 and out["ready"] == 1 and out["capacity"] == 5
+    assert out["accepted"] == 3 and out["ready"] == 1 and out["capacity"] == 5
