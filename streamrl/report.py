@@ -289,13 +289,31 @@ def plot_roc(data: RunData) -> Figure | str:
     return _draw([p], "roc_keep_rate")
 
 
+WINDOW = 6  # generator records (~5 s each) per success-rate point: one interval can hold 2 calls
+
+
+def _windowed_success(records: list[Record]) -> tuple[list[float], list[float]]:
+    """Success rate from the running totals over a sliding window, so a 5-second interval with two
+    failed calls does not plot as a drop to zero."""
+    rows = [r for r in records if _number(r.get("tool_calls")) and _number(r.get("tool_failures"))]
+    xs, ys = [], []
+    for i, r in enumerate(rows):
+        first = rows[max(0, i - WINDOW)] if i >= WINDOW else None
+        calls = r["tool_calls"] - (first["tool_calls"] if first else 0)
+        failures = r["tool_failures"] - (first["tool_failures"] if first else 0)
+        if calls > 0 and _number(r.get("wall_s")):
+            xs.append(r["wall_s"])
+            ys.append(1.0 - failures / calls)
+    return xs, ys
+
+
 def plot_tools(data: RunData) -> Figure | str:
     scale, wall = _wall(data)
     success = Panel("tool-call success rate", wall)
     latency = Panel("sandbox latency", wall, ylabel="ms per call")
     success.add("learner batches", scale(_xy(data.learner, "tool_success_rate", "wall_s")))
     for name, rs in sorted(data.generators.items()):
-        success.add(name, scale(_xy(rs, "tool_call_success_rate", "wall_s")))
+        success.add(f"{name} (last {WINDOW} records)", scale(_windowed_success(rs)))
         latency.add(name, scale(_xy(rs, "tool_latency_ms_mean", "wall_s")))
     calls = Panel("tool calls per trajectory", "step")
     calls.add("tool_calls_mean", _xy(data.learner, "tool_calls_mean", "step"))

@@ -79,6 +79,7 @@ def write_run(run_dir: Path, evals: bool = True, generators: bool = True) -> Non
                             "trajectories": 10 * (i + 1),
                             "groups_sent": i + 1,
                             "tool_calls": 5 * (i + 1),
+                            "tool_failures": i,
                             "tool_call_success_rate": 0.8,
                             "tool_latency_ms_mean": 40.0 if i else None,
                         }
