@@ -21,7 +21,7 @@ import zmq
 from streamrl import messages as m
 from streamrl.errors import PeerGone, RemoteError, TransportTimeout
 from streamrl.transport import AsyncClient, Client, Server
-from streamrl.transport_inproc import InprocHub
+from streamrl.transport_inproc import InprocClient, InprocHub
 from tests.streamrl.test_messages import make_group
 
 KINDS = ["ipc", "tcp", "inproc"]
@@ -190,6 +190,24 @@ def test_a_malformed_frame_gets_an_error_and_the_server_keeps_serving_the_next_c
         assert client.request(make_group(uid=9), 2.0) == m.GroupAck(uid=9, status="accepted")
     assert [peer for peer, _ in got] == ["gen1"]
     assert server.stats["rejected_bad_frame"] == 2
+
+
+def test_a_valid_message_with_extra_frames_is_refused_whole_and_never_delivered(net: Net) -> None:
+    server, client = net.server(), net.client("gen0")
+    group = m.encode(make_group(uid=5))
+    with serving(server) as got:
+        client.connect(2.0)
+        for frames in ([group, b"x"], [group, group, group], [b"", group]):
+            if isinstance(client, InprocClient):
+                client._send_frames(frames)
+            else:
+                client._sock.send_multipart(frames)
+            reply = client.recv(2.0)
+            assert isinstance(reply, m.Error) and reply.code == "bad_frame"
+            assert f"{len(frames)} frames in one message, expected 1" in reply.detail
+        assert client.request(make_group(uid=6), 2.0) == m.GroupAck(uid=6, status="accepted")
+    assert [msg.uid for _, msg in got if isinstance(msg, m.Group)] == [6]
+    assert server.stats["rejected_bad_frame"] == 3
 
 
 def test_an_unknown_message_tag_is_rejected_with_the_tag_named(net: Net) -> None:
