@@ -87,3 +87,34 @@ class Backend(Protocol):
     def export_hf(self, directory: Path) -> None:
         """Write a Hugging Face checkpoint (config, safetensors, tokenizer) transformers can load."""
         ...
+
+
+def step_metrics(
+    per_mb: list[dict[str, float]],
+    *,
+    grad_norm: float,
+    lr: float,
+    skipped: bool,
+    tokens: int,
+    seconds: float,
+) -> dict[str, float]:
+    """A train step's metrics from its micro-batches' (mean; max for `*_max`; sum for `loss_tokens`),
+    plus the step-level values every backend reports the same way."""
+    out: dict[str, float] = {}
+    for key in {k for m in per_mb for k in m}:
+        vals = [float(m[key]) for m in per_mb if key in m]
+        if key.endswith("_max"):
+            out[key] = max(vals)
+        elif key == "loss_tokens":
+            out[key] = sum(vals)
+        else:
+            out[key] = sum(vals) / len(vals)
+    out.update(
+        grad_norm=grad_norm,
+        lr=lr,
+        update_skipped=1.0 if skipped else 0.0,
+        micro_batches=float(len(per_mb)),
+        tokens=float(tokens),
+        train_step_s=seconds,
+    )
+    return out

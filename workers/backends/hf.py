@@ -49,7 +49,7 @@ import torch.distributed as dist
 from streamrl.config import JobSpec
 from streamrl.errors import ConfigError
 from streamrl.log import get_logger
-from workers.backends.base import LossFn, MicroBatch
+from workers.backends.base import LossFn, MicroBatch, step_metrics
 
 log = get_logger(__name__)
 
@@ -194,16 +194,10 @@ class HFBackend:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        out = _reduce_metrics(per_mb)
-        out.update(
-            grad_norm=grad_norm,
-            lr=lr,
-            update_skipped=1.0 if skipped else 0.0,
-            micro_batches=float(len(micro_batches)),
-            tokens=float(tokens),
-            train_step_s=time.perf_counter() - t0,
+        seconds = time.perf_counter() - t0
+        return step_metrics(
+            per_mb, grad_norm=grad_norm, lr=lr, skipped=skipped, tokens=tokens, seconds=seconds
         )
-        return out
 
     def _all_reduce_grads(self) -> None:
         """Sum gradients over DP ranks in one flat buffer (a rank without micro-batches sends zeros)."""
@@ -321,20 +315,6 @@ def _to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
         versions=mb.versions.to(device),
         prox_logprobs=None if mb.prox_logprobs is None else mb.prox_logprobs.to(device),
     )
-
-
-def _reduce_metrics(per_mb: list[dict[str, float]]) -> dict[str, float]:
-    """Mean over micro-batches, max for `*_max` keys, sum for `loss_tokens`."""
-    out: dict[str, float] = {}
-    for key in {k for m in per_mb for k in m}:
-        vals = [m[key] for m in per_mb if key in m]
-        if key.endswith("_max"):
-            out[key] = max(vals)
-        elif key == "loss_tokens":
-            out[key] = sum(vals)
-        else:
-            out[key] = sum(vals) / len(vals)
-    return out
 
 
 def _atomic_save(obj: object, path: Path) -> None:

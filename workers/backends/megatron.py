@@ -41,7 +41,7 @@ from streamrl.config import JobSpec
 from streamrl.errors import ConfigError, StreamrlError
 from workers.backends import megatron_compat as compat
 from workers.backends import megatron_convert as convert
-from workers.backends.base import LossFn, MicroBatch
+from workers.backends.base import LossFn, MicroBatch, step_metrics
 from workers.backends.vocab_parallel import vocab_parallel_logprobs
 
 logger = log.get_logger("workers.backends.megatron")
@@ -71,20 +71,6 @@ def _to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
         return mb
     moved = {f.name: getattr(mb, f.name) for f in dataclasses.fields(mb)}
     return MicroBatch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
-
-
-def _reduce_metrics(per_mb: list[dict[str, float]]) -> dict[str, float]:
-    """Mean over micro-batches, max for `*_max` keys, sum for `loss_tokens` (the rules of hf.py)."""
-    out: dict[str, float] = {}
-    for key in {k for m in per_mb for k in m}:
-        vals = [float(m[key]) for m in per_mb if key in m]
-        if key.endswith("_max"):
-            out[key] = max(vals)
-        elif key == "loss_tokens":
-            out[key] = sum(vals)
-        else:
-            out[key] = sum(vals) / len(vals)
-    return out
 
 
 def _read_hf_weights(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -372,16 +358,10 @@ class MegatronBackend:
                     raise MegatronBackendError("megatron's optimizer refused a step with a finite grad norm")
             lr = float(self.optimizer.param_groups[0]["lr"])
         self.steps_done += 1
-        out = _reduce_metrics(per_mb)
-        out.update(
-            grad_norm=grad_norm,
-            lr=lr,
-            update_skipped=1.0 if skipped else 0.0,
-            micro_batches=float(len(micro_batches)),
-            tokens=float(tokens),
-            train_step_s=time.perf_counter() - t0,
+        seconds = time.perf_counter() - t0
+        return step_metrics(
+            per_mb, grad_norm=grad_norm, lr=lr, skipped=skipped, tokens=tokens, seconds=seconds
         )
-        return out
 
     # ------------------------------------------------------------------ weights out
 
