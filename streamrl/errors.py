@@ -9,7 +9,9 @@
     │   ├── TransportTimeout a bounded wait ran out
     │   ├── PeerGone         the other side closed or was never there
     │   └── RemoteError      the peer answered Error(code, detail) instead of a reply
-    └── WorkerFailed         a role process died or gave up
+    ├── WorkerFailed         a role process died or gave up
+    └── WeightSyncError      a weight update to the engines failed (unreachable, refused, broadcast
+                             failed, timed out, or the receiver was told to give up)
 
 Code that runs untrusted programs (sandbox_bridge) returns result objects rather than raising for
 failures of the user's code; it raises only for its own faults.
@@ -60,3 +62,7 @@ class RemoteError(TransportError):
     def __init__(self, code: str, detail: str, address: str) -> None:
         super().__init__(f"{address} answered error {code!r}: {detail}")
         self.code, self.detail = code, detail
+
+
+class WeightSyncError(StreamrlError):
+    """A weight update failed: an engine was unreachable or refused, or the broadcast failed or timed out."""

@@ -11,11 +11,14 @@ import pytest
 import torch
 
 from streamrl.weight_sync import (
+    BucketPacker,
     bucket_layout,
     dtype_name,
+    flatten_parameters,
     pack_bucket,
     parse_dtype,
     plan_updates,
+    stream_updates,
     unpack_bucket,
 )
 from tests.conftest import free_port
@@ -84,6 +87,55 @@ def test_updates_are_split_at_the_bucket_size_and_only_the_last_call_is_last() -
         plan_updates(named, 0)
 
 
+def test_streamed_updates_match_the_plan_and_pull_one_bucket_ahead_at_most() -> None:
+    named = [(f"w{i}", torch.zeros(250)) for i in range(10)]  # 1000 bytes each
+    pulled: list[int] = []
+
+    def source():  # type: ignore[no-untyped-def]
+        for i, nt in enumerate(named):
+            pulled.append(i)
+            yield nt
+
+    stream = stream_updates(source(), bucket_bytes=2500)
+    first = next(stream)
+    assert [n for n, _ in first.tensors] == ["w0", "w1"] and pulled == [0, 1, 2] and not first.last
+    rest = list(stream)
+    planned = plan_updates(named, bucket_bytes=2500)
+    assert [[n for n, _ in c.tensors] for c in [first, *rest]] == [[n for n, _ in c.tensors] for c in planned]
+    assert [c.last for c in rest] == [False, False, False, True]
+
+
+def test_the_packer_sends_contiguous_buckets_as_views_and_copies_others_into_two_buffers() -> None:
+    flat = torch.arange(12, dtype=torch.float32)
+    packer = BucketPacker()
+    whole = packer.pack([flat[:4], flat[4:10]])
+    assert whole.data_ptr() == flat.data_ptr() and torch.equal(whole, flat[:10].view(torch.uint8))
+    assert packer.copied_bytes == 0 and packer.view([flat[:4], flat[6:]]) is None
+    a, b = torch.ones(3), torch.full((2,), 2.0)
+    first = packer.pack([a, b])
+    second = packer.pack([b, a])  # while `first` may still be on the wire: another buffer
+    assert torch.equal(first.view(torch.float32), torch.tensor([1.0, 1, 1, 2, 2]))
+    assert torch.equal(second.view(torch.float32), torch.tensor([2.0, 2, 1, 1, 1]))
+    third = packer.pack([a, b])  # `first` is done by now: its buffer is reused
+    assert first.data_ptr() != second.data_ptr() and third.data_ptr() == first.data_ptr()
+    assert packer.copied_bytes == 3 * 20
+
+
+def test_flattened_parameters_keep_values_lie_back_to_back_and_start_64_byte_aligned() -> None:
+    g = torch.Generator().manual_seed(0)
+    tied = torch.nn.Parameter(torch.randn(4, 16, generator=g))
+    params = {"emb": tied, "b": torch.nn.Parameter(torch.randn(3, generator=g)), "head": tied}
+    params["w"] = torch.nn.Parameter(torch.randn(16, generator=g).to(torch.bfloat16))
+    before = {n: p.detach().clone() for n, p in params.items()}
+    flats = flatten_parameters(params)
+    assert len(flats) == 2  # float32 and bfloat16
+    for name, p in params.items():
+        assert torch.equal(p, before[name]) and p.data_ptr() % 64 == 0
+    assert params["head"].data_ptr() == params["emb"].data_ptr()  # tied: stored once
+    assert params["b"].data_ptr() == params["emb"].data_ptr() + 4 * 16 * 4  # 256 bytes: no padding
+    assert flats[0].numel() == (64 + 16) * 4  # 3 floats padded to 64 bytes
+
+
 def test_dtype_names_are_sglangs() -> None:
     assert dtype_name(torch.bfloat16) == "bfloat16" and parse_dtype("torch.float16") is torch.float16
     with pytest.raises(ValueError, match="unknown dtype"):
@@ -119,6 +171,7 @@ def _receiver(port: int, meta: mp.Queue, result: mp.Queue) -> None:
         got = receive_weights(group, req["names"], req["dtypes"], req["shapes"], req["load_format"])
         received.append({"format": req["load_format"], "tensors": got})
     result.put(received)
+    meta.get(timeout=60)  # the parent has unpickled the tensors: their shared storage may go now
     destroy_update_group(group)
     del group
 
@@ -135,6 +188,7 @@ def test_a_gloo_broadcast_between_two_processes_delivers_every_tensor_bit_exact(
         p.start()
     try:
         received = result.get(timeout=120)
+        meta.put("done")
     except queue.Empty:
         pytest.fail("the receiver gave no result within 120 s")
     finally:

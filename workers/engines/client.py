@@ -309,3 +309,16 @@ class EngineClient:
     async def update_weights(self, request: dict[str, Any], timeout_s: float | None = None) -> str:
         """Post a ready-made `/update_weights_from_distributed` body (`weight_sync.UpdateCall.request`)."""
         return await self._weights_call("/update_weights_from_distributed", request, timeout_s)
+
+    async def get_weights_by_name(
+        self, name: str, truncate_size: int = 100, timeout_s: float | None = None
+    ) -> list[Any]:
+        """SGLang's `/get_weights_by_name`: the parameter's first `truncate_size` rows as float32
+        (nested) lists. EngineError for an unknown name."""
+        body = {"name": name, "truncate_size": truncate_size}
+        answer = msgspec.json.decode(await self._call("POST", "/get_weights_by_name", body, timeout_s))
+        if not isinstance(answer, list):
+            raise EngineError(
+                self.url, "/get_weights_by_name", f"expected a list, got {type(answer).__name__}"
+            )
+        return answer

@@ -5,7 +5,7 @@
 Endpoints and JSON are SGLang 0.5's (../shared/reference/platform.md), for the subset streamrl uses:
 /generate (input_ids or text, sampling_params, return_logprob, rid; one request or a list),
 /init_weights_update_group, /update_weights_from_distributed (per tensor or "flattened_bucket"),
-/destroy_weights_update_group, /pause_generation (abort | in_place; retract acts as in_place),
+/destroy_weights_update_group, /get_weights_by_name, /pause_generation (abort | in_place; retract acts as in_place),
 /continue_generation, /abort_request, /flush_cache, /update_weight_version, /get_weight_version,
 /health, /health_generate, /model_info, /server_info. Not implemented: streaming, stop strings,
 penalties, input log-probs, top log-probs, prefix caching (every request is prefilled in full).
@@ -124,6 +124,8 @@ class EmbeddedEngine:
                 post("/init_weights_update_group", self.init_weights_update_group),
                 post("/destroy_weights_update_group", self.destroy_weights_update_group),
                 post("/update_weights_from_distributed", self.update_weights_from_distributed),
+                get("/get_weights_by_name", self.get_weights_by_name),
+                post("/get_weights_by_name", self.get_weights_by_name),
             ]
         )
         app.on_startup.append(self._on_startup)
@@ -319,6 +321,17 @@ class EmbeddedEngine:
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         return _result(*await self.weights.update(await _body(request)))
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        """SGLang's answer: the parameter's first `truncate_size` rows as a float32 JSON list."""
+        body = await _body(request)
+        try:
+            rows = await self.weights.get_weights(body)
+        except (TypeError, ValueError) as e:
+            return _error(f"bad request: {e}")
+        if rows is None:
+            return _error("Get parameter by name failed")
+        return _json(rows)
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
