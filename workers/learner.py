@@ -16,7 +16,9 @@ One step k (steps count from 0; the engines serve version k while it is trained)
     metrics line; evaluation and checkpoint (learner state + buffer snapshot) when due
 
 SIGTERM or SIGINT means "finish the current step, checkpoint, exit 0", so the launcher's Ctrl-C
-leaves a resumable run. `--resume` continues after the run directory's latest checkpoint; the
+leaves a resumable run. A dead engine (the launcher restarts it alone) costs a wait, not the run: a
+push that no engine takes is retried until the restarted one takes the full weights, and an
+evaluation that loses its engine is skipped. `--resume` continues after the run directory's latest checkpoint; the
 freshly started engines get that checkpoint's weights before the first batch is requested.
 """
 
@@ -40,7 +42,7 @@ import torch.distributed as dist
 from streamrl import checkpoint, log
 from streamrl.config import JobSpec
 from streamrl.config_load import load_job_or_exit
-from streamrl.errors import StreamrlError
+from streamrl.errors import StreamrlError, WeightSyncError
 from streamrl.messages import (
     Batch,
     BatchRequest,
@@ -53,9 +55,12 @@ from streamrl.messages import (
     unpack,
 )
 from streamrl.transport import Client
+from workers.engines.client import EngineError
 
 logger = log.get_logger("workers.learner")
 BATCH_WAIT_S = 1800.0  # no batch for this long means the generators are gone: fail loudly
+ENGINE_WAIT_S = 1800.0  # no engine takes the weights for this long: fail (SGLang may load for ~30 min)
+ENGINE_RETRY_S = 1.0
 
 
 class LearnerError(StreamrlError):
@@ -179,12 +184,38 @@ class LearnerRole:
     # ------------------------------------------------------------------ the pieces of a step
 
     def push_weights(self, version: int) -> dict[str, float]:
-        """Every rank iterates the weights (TP/PP gathers are collectives); rank 0 sends them."""
-        if self.pusher is None:
-            for _ in self.backend.hf_weights():
-                pass
-            return {}
-        return dict(self.pusher.push(self.backend.hf_weights(), version=version).metrics())
+        """Every rank iterates the weights (TP/PP gathers are collectives); rank 0 sends them.
+
+        An update fails when no engine answers (all of them died and are restarting) or one dies
+        mid-update. It is then pushed again, every ENGINE_RETRY_S, until an engine takes it: a
+        restarted engine answers once it has loaded the model, and gets the full weights at once.
+        Failing here instead would restart the whole job from its last checkpoint for the loss of
+        one engine, which the launcher restarts by itself. On a stop request the update is given
+        up so that the step can still be checkpointed (a resumed run pushes the weights first).
+        """
+        deadline, attempt = time.monotonic() + ENGINE_WAIT_S, 0
+        while True:
+            attempt += 1
+            error: WeightSyncError | None = None
+            times: dict[str, float] = {}
+            if self.pusher is None:
+                for _ in self.backend.hf_weights():
+                    pass
+            else:
+                try:
+                    times = dict(self.pusher.push(self.backend.hf_weights(), version=version).metrics())
+                except WeightSyncError as e:
+                    error = e
+            retry = error is not None and not self.stopping and time.monotonic() < deadline
+            if not self._agree(retry):  # rank 0 decides, so every rank iterates the weights again
+                if error is not None and not self.stopping:
+                    raise LearnerError(f"no engine took version {version} for {ENGINE_WAIT_S:.0f} s: {error}")
+                if error is not None:
+                    logger.warning("weight_push_given_up_on_stop", version=version, error=str(error))
+                return times
+            if attempt & (attempt - 1) == 0:  # attempts 1, 2, 4, 8...: an SGLang restart takes minutes
+                logger.warning("weight_push_failed", version=version, attempt=attempt, error=str(error))
+            time.sleep(ENGINE_RETRY_S)
 
     def train(self, batch: Batch) -> dict[str, float]:
         from streamrl.losses import make_loss_fn
@@ -211,7 +242,13 @@ class LearnerRole:
     def evaluate(self, step: int) -> None:
         if self.rank != 0 or self.evaluator is None:
             return
-        result = self.evaluator()
+        try:
+            result = self.evaluator()
+        except EngineError as e:
+            # An engine died mid-evaluation. The launcher restarts it; losing this point of the
+            # accuracy curve beats restarting the whole job from its last checkpoint.
+            logger.warning("eval_failed", step=step, error=str(e))
+            return
         logger.info("eval", step=step, **result)
         self._record("eval", step, result)
 
@@ -288,9 +325,13 @@ class LearnerRole:
 
     def _agree_stop(self) -> bool:
         """Stop if rank 0 was signalled (it decides for everyone, so all ranks save the same step)."""
+        return self._agree(self.stopping)
+
+    def _agree(self, decision: bool) -> bool:
+        """Rank 0's `decision`, on every rank."""
         if dist.get_world_size() == 1:
-            return self.stopping
-        flag = torch.tensor([1 if self.stopping and self.rank == 0 else 0])
+            return decision
+        flag = torch.tensor([1 if decision and self.rank == 0 else 0])
         dist.broadcast(flag, src=0)
         return bool(flag.item())
 
@@ -322,13 +363,26 @@ class Evaluator:
         from streamrl.evaluate import evaluate
 
         coro = evaluate(self.spec, self.prompts, self.urls, self.tokenizer, self.rewards, self.sandbox)
-        return self.runner.run(coro).metrics()
+        try:
+            return self.runner.run(coro).metrics()
+        except Exception:
+            self.runner.run(_cancel_pending())
+            raise
 
     def close(self) -> None:
         if self.sandbox is not None:
             self.runner.run(self.sandbox.close())
         self.runner.close()
         self.rewards.close()
+
+
+async def _cancel_pending() -> None:
+    """End the rollouts a failed evaluation left running (gather does not cancel the others when
+    one fails), now rather than whenever the next evaluation runs the loop again."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
