@@ -46,6 +46,7 @@ _Loader.add_implicit_resolver(
 def _yaml(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
 
+
 _AT_PATH = re.compile(r"^(?P<msg>.*) - at `\$(?P<path>[^`]*)`$", re.DOTALL)
 _FIELD_IN_MSG = re.compile(r"(?:unknown|missing required) field `(?P<field>[^`]+)`")
 
