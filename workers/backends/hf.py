@@ -49,6 +49,7 @@ import torch.distributed as dist
 from streamrl.config import JobSpec
 from streamrl.errors import ConfigError
 from streamrl.log import get_logger
+from streamrl.weight_sync import flatten_parameters
 from workers.backends.base import LossFn, MicroBatch, step_metrics
 
 log = get_logger(__name__)
@@ -110,6 +111,9 @@ class HFBackend:
         with _no_progress_bar():
             model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
         self.model = model.to(self.device)
+        # One aligned flat buffer per dtype: weight pushes send buckets as views (no packing copy),
+        # and the engines, which store theirs the same way, compute bit-identical logits.
+        flatten_parameters(dict(self.model.named_parameters()))
         self.model.eval()  # no dropout; see the module docstring
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
