@@ -43,6 +43,20 @@ def run_mode(job: Path, eta: int, run_dir: Path, extra: list[str]) -> float:
     return time.monotonic() - t0
 
 
+def time_to_target_without_eval(evals: list[dict[str, Any]], target: float) -> float | None:
+    """Wall seconds to the first evaluation at `target`, minus the time spent evaluating until then.
+
+    Evaluation blocks the learner for the same work in both modes (the generator keeps sampling
+    meanwhile in both), and at this frequency it would otherwise be a third of the run.
+    """
+    spent = 0.0
+    for e in evals:
+        spent += e.get("eval_s", 0.0)
+        if (e.get("greedy_acc") or 0.0) >= target:
+            return e["wall_s"] - spent
+    return None
+
+
 def mode_stats(run_dir: Path, target: float) -> dict[str, Any]:
     records = read_metrics(run_dir)
     learner = [r for r in records if r.get("role") == "learner"]
@@ -58,6 +72,8 @@ def mode_stats(run_dir: Path, target: float) -> dict[str, Any]:
         "steps": len(learner),
         "wall_s": wall,
         "time_to_target_s": time_to_accuracy(evals, target),
+        "train_time_to_target_s": time_to_target_without_eval(evals, target),
+        "eval_s": sum(e.get("eval_s", 0.0) for e in evals),
         "eval_start": evals[0].get("greedy_acc") if evals else None,
         "eval_best": max((e.get("greedy_acc", 0.0) for e in evals), default=None),
         "trained_tokens_per_s": sum(r.get("tokens", 0) for r in learner) / wall if wall else 0.0,
@@ -77,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a short run (fewer steps, smaller eval)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / f"bench-e2e-{time.strftime('%Y%m%d-%H%M%S')}")
     args = ap.parse_args(argv)
-    extra = [f"eval.every_steps={args.eval_every}", "learner.checkpoint_every=0"]
+    extra = [f"eval.every_steps={args.eval_every}", "eval.sampled_n=0", "learner.checkpoint_every=0"]
     if args.quick:
         extra += ["train.steps=20", "eval.max_prompts=64"]
     elif args.steps:
@@ -93,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         [
             name,
             s["steps"],
+            s["train_time_to_target_s"] if s["train_time_to_target_s"] is not None else "not reached",
             s["time_to_target_s"] if s["time_to_target_s"] is not None else "not reached",
             s["wall_s"],
             s["eval_start"],
@@ -120,12 +137,12 @@ def main(argv: list[str] | None = None) -> int:
         rows,
         title=f"sync vs async on {args.job.name} (target greedy accuracy {args.target})",
     )
-    sync_t, async_t = stats["sync"]["time_to_target_s"], stats["async"]["time_to_target_s"]
+    sync_t, async_t = stats["sync"]["train_time_to_target_s"], stats["async"]["train_time_to_target_s"]
     if sync_t is None or async_t is None:
         # Fall back to whole-run wall time so the record still compares the two modes.
         value, limit, metric = stats["async"]["wall_s"], stats["sync"]["wall_s"], "wall_s_full_run"
     else:
-        value, limit, metric = async_t, sync_t, "wall_s_to_target"
+        value, limit, metric = async_t, sync_t, "wall_s_to_target_without_eval"
     emit(
         "e2e",
         metric,
