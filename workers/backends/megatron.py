@@ -1,4 +1,4 @@
-"""Megatron-core learner backend: GPTModel from a Hugging Face checkpoint, TP x DP, megatron's optimizer.
+"""Megatron-core learner backend: GPTModel from a Hugging Face checkpoint, TP x PP x DP, megatron's optimizer.
 
 Every learner rank calls `make_backend(spec, model_dir)` after joining the default process group
 (world = tp * pp * dp, gloo on the CPU, nccl on GPUs); megatron's parallel state is built from that
@@ -16,8 +16,13 @@ Schedule and step (the same as hf.py): step k (1-based) uses lr * min(1, k / war
 lr; global-norm clipping to learner.grad_clip; a step whose grad norm is not finite is skipped
 (`update_skipped`). Weight decay is megatron's default: none on biases and norm weights.
 
-Not supported: pipeline parallelism (pp > 1 raises; megatron's pipeline schedules are not wired in),
-the distributed optimizer on CPU, resuming with a different parallel layout (use `export_hf`).
+Pipeline parallelism (pp > 1; `megatron_pipeline`): each stage holds num_layers / pp layers and
+megatron's 1F1B schedule moves activations between stages. Only the last stage computes log-probs
+and calls the loss; it shares the metrics and log-probs with the other stages so every rank returns
+the same values. With pp = 1 a plain loop runs instead (no p2p, no schedule overhead).
+
+Not supported: virtual (interleaved) pipeline stages, the distributed optimizer on CPU, resuming
+with a different parallel layout (use `export_hf`).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from streamrl.config import JobSpec
 from streamrl.errors import ConfigError, StreamrlError
 from workers.backends import megatron_compat as compat
 from workers.backends import megatron_convert as convert
+from workers.backends import megatron_pipeline as pipeline
 from workers.backends.base import LossFn, MicroBatch, step_metrics
 from workers.backends.vocab_parallel import vocab_parallel_logprobs
 
@@ -91,8 +97,6 @@ def _init_parallel(tp: int, pp: int, dp: int) -> None:
 
     if not dist.is_initialized():
         raise MegatronBackendError("megatron backend: torch.distributed is not initialised (init it first)")
-    if pp != 1:
-        raise ConfigError(f"learner.pp: {pp}; the megatron backend supports pp=1 only (TP x DP)")
     world = dist.get_world_size()
     if world != tp * pp * dp:
         raise ConfigError(
@@ -117,8 +121,20 @@ class MegatronBackend:
 
         lc = spec.learner
         self.spec, self.model_dir = spec, Path(model_dir)
+        self.hf_config: dict[str, Any] = json.loads((self.model_dir / "config.json").read_text())
+        self.shape = convert.shape_from_hf_config(self.hf_config)
+        if self.shape.num_layers % lc.pp:
+            raise ConfigError(
+                f"learner.pp: {lc.pp} does not divide the model's {self.shape.num_layers} layers "
+                f"(each pipeline stage holds the same number of layers)"
+            )
         _init_parallel(lc.tp, lc.pp, lc.dp)
         self.tp, self.tp_rank = lc.tp, ps.get_tensor_model_parallel_rank()
+        self.pp, self.pp_rank = lc.pp, ps.get_pipeline_model_parallel_rank()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.pre_process, self.post_process = ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
+        self.stage_layers = self.shape.num_layers // self.pp
+        self.first_layer = self.pp_rank * self.stage_layers  # global index of this stage's layer 0
         self.dp_size, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.tp_group = ps.get_tensor_model_parallel_group()
         self.rank = dist.get_rank()
@@ -132,8 +148,6 @@ class MegatronBackend:
         else:
             self.device, self.dtype = torch.device("cpu"), torch.float32  # CPU matmuls: fp32 only
 
-        self.hf_config: dict[str, Any] = json.loads((self.model_dir / "config.json").read_text())
-        self.shape = convert.shape_from_hf_config(self.hf_config)
         self.vocab_padded = self.shape.padded_vocab(self.tp)
         torch.manual_seed(spec.train.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(spec.train.seed)
@@ -147,6 +161,8 @@ class MegatronBackend:
             "megatron_backend_ready",
             model=str(self.model_dir),
             tp=self.tp,
+            pp=self.pp,
+            pp_rank=self.pp_rank,
             dp=self.dp_size,
             device=str(self.device),
             dtype=str(self.dtype),
@@ -177,7 +193,11 @@ class MegatronBackend:
             attention_dropout=0.0,
             attention_softmax_in_fp32=True,
             tensor_model_parallel_size=self.tp,
-            pipeline_model_parallel_size=1,
+            pipeline_model_parallel_size=self.pp,
+            pipeline_dtype=self.dtype,  # of the activations sent between stages
+            # micro-batches of a step differ in length and size: send each activation's shape first
+            variable_seq_lengths=self.pp > 1,
+            moe_token_dispatcher_type="alltoall",  # no MoE; the default refuses variable_seq_lengths
             params_dtype=self.dtype,
             bf16=self.dtype == torch.bfloat16,
             fp16=self.dtype == torch.float16,
@@ -216,11 +236,16 @@ class MegatronBackend:
             rotary_base=int(s.rope_theta) if float(s.rope_theta).is_integer() else s.rope_theta,  # type: ignore[arg-type]
             rope_scaling=s.llama3_rope_scaling is not None,
             rope_scaling_factor=s.llama3_rope_scaling or 8.0,
+            pre_process=self.pre_process,
+            post_process=self.post_process,
         )
         return model.to(self.device)
 
     def _load_hf(self, module: torch.nn.Module) -> None:
         full = convert.hf_to_megatron(_read_hf_weights(self.model_dir), self.shape, self.tp)
+        full = convert.stage_tensors(
+            full, self.shape, self.first_layer, self.stage_layers, self.pre_process, self.post_process
+        )
         mine = convert.shard(full, self.tp_rank, self.tp)
         expected = {k for k in module.state_dict() if not k.endswith("_extra_state")}
         if set(mine) != expected:
@@ -286,16 +311,29 @@ class MegatronBackend:
 
     # ------------------------------------------------------------------ forward
 
-    def _forward(self, mb: MicroBatch, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """logprobs [b, T] (graph attached if grad is enabled) and entropy [b, T] (graph attached
-        only if `entropy_grad`), on the backend's device; column 0 and padding are 0."""
+    def _stage_forward(self, model: Any, mb: MicroBatch) -> torch.Tensor:
+        """This stage's output: logits [b, T, V/tp] on the last stage, else hidden states [T, b, h]
+        (a stage after the first reads its input from the previous stage, set by the schedule)."""
         ids = mb.input_ids.to(self.device)
         real = mb.attention_mask.to(self.device, torch.bool)
         b, t = ids.shape
         positions = torch.arange(t, device=self.device).expand(b, t)
         causal = torch.tril(torch.ones(t, t, dtype=torch.bool, device=self.device))
         masked = ~(causal[None, None] & real[:, None, None, :])  # [b, 1, T, T], True = not attended
-        logits = self.model(input_ids=ids, position_ids=positions, attention_mask=masked)  # [b, T, V/tp]
+        return model(input_ids=ids, position_ids=positions, attention_mask=masked)  # type: ignore[no-any-return]
+
+    def _forward(self, mb: MicroBatch, entropy_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """logprobs [b, T] (graph attached if grad is enabled) and entropy [b, T] (graph attached
+        only if `entropy_grad`), on the backend's device; column 0 and padding are 0. pp = 1 only."""
+        return self._logprobs_from_logits(self._stage_forward(self.model, mb), mb, entropy_grad)
+
+    def _logprobs_from_logits(
+        self, logits: torch.Tensor, mb: MicroBatch, entropy_grad: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [b, T, V/tp] -> logprobs [b, T], entropy [b, T] (see `_forward`)."""
+        ids = mb.input_ids.to(self.device)
+        real = mb.attention_mask.to(self.device, torch.bool)
+        b, t = ids.shape
         per_rank = self.vocab_padded // self.tp
         start = self.tp_rank * per_rank
         valid = max(0, min(per_rank, self.shape.vocab_size - start))  # megatron's padded rows dropped
@@ -314,10 +352,25 @@ class MegatronBackend:
         return logprobs, entropy if entropy_grad else entropy.detach()
 
     def logprobs_and_entropy(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """[b, T] log-probs and entropy under the current weights, no grad, on the CPU."""
+        """[b, T] log-probs and entropy under the current weights, no grad, on the CPU (on every
+        rank: with pp > 1 the last stage computes them and broadcasts them over the pipeline)."""
+        if self.pp == 1:
+            with torch.no_grad():
+                lp, ent = self._forward(mb)
+            return lp.cpu(), ent.cpu()
+
+        def forward_step(data: Iterator[MicroBatch], model: Any) -> tuple[torch.Tensor, None]:
+            m = next(data)
+            out = self._stage_forward(model, m)
+            if not self.post_process:
+                return out, None
+            return torch.stack(self._logprobs_from_logits(out, m, False)), None  # [2, b, T], kept
+
         with torch.no_grad():
-            lp, ent = self._forward(mb)
-        return lp.cpu(), ent.cpu()
+            stored = pipeline.run_schedule(self.model, [_to_device(mb, self.device)], forward_step, True)
+            both = stored[0] if self.post_process else torch.empty(2, *mb.input_ids.shape, device=self.device)
+            both = pipeline.from_last_stage_tensor(both, self.pp_group, self.pp)
+        return both[0].cpu(), both[1].cpu()
 
     def logprobs(self, mb: MicroBatch) -> torch.Tensor:
         """[b, T] log-probs of `mb.input_ids` under the current weights, no grad (proximal policy)."""
@@ -326,24 +379,34 @@ class MegatronBackend:
     # ------------------------------------------------------------------ training
 
     def train_step(self, micro_batches: list[MicroBatch], loss_fn: LossFn) -> dict[str, float]:
-        """Forward/backward each micro-batch (gradients accumulate in DDP's buffer), sum gradients over
-        DP ranks, then, if the global grad norm is finite, one LR-schedule step, clipping and AdamW.
-        A rank with no micro-batches still joins the collectives (it contributes zero gradients)."""
+        """Forward/backward each micro-batch (gradients accumulate in DDP's buffer; with pp > 1 through
+        megatron's pipeline schedule, the loss called on the last stage), finalise gradients (DP sum and
+        the rest, below), then, if the global grad norm is finite, one LR-schedule step, clipping and
+        AdamW. Every rank returns the same metrics. A rank with no micro-batches still joins the
+        collectives (it contributes zero gradients); all stages of a pipeline get the same micro-batches."""
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
         t0 = time.perf_counter()
         entropy_grad = bool(getattr(loss_fn, "needs_entropy_grad", False))
         per_mb: list[dict[str, float]] = []
-        tokens = 0
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        for mb in micro_batches:
-            mb_dev = _to_device(mb, self.device)
-            logprobs, entropy = self._forward(mb_dev, entropy_grad)
-            loss, metrics = loss_fn(mb_dev, logprobs, entropy)
-            loss.backward()
-            per_mb.append(metrics)
-            tokens += mb.num_tokens
-        self.model.finish_grad_sync()  # DP all-reduce (a sum: see calculate_per_token_loss)
+        if self.pp == 1:
+            for mb in micro_batches:
+                mb_dev = _to_device(mb, self.device)
+                logprobs, entropy = self._forward(mb_dev, entropy_grad)
+                loss, metrics = loss_fn(mb_dev, logprobs, entropy)
+                loss.backward()
+                per_mb.append(metrics)
+        else:
+            per_mb = self._pipelined_backward(micro_batches, loss_fn, entropy_grad)
+        tokens = sum(mb.num_tokens for mb in micro_batches)
         with compat.cuda_to_cpu():  # the optimizer's norm, clip and scale scalars say device='cuda'
+            # Megatron's gradient finalisation: the DP all-reduce (a sum: see calculate_per_token_loss),
+            # the TP sum of replicated weights that see only their rank's heads (Qwen3's q/k norms),
+            # and the sum of the tied embedding's two copies on the first and last pipeline stage.
+            # num_tokens=None: losses arrive pre-scaled, gradients must not be divided by a count.
+            finalize_model_grads([self.model], num_tokens=None)
             # The norm is taken once before the step so a non-finite one skips the update (and the
             # schedule) instead of writing NaNs; megatron's FP32 optimizer has no such check.
             self.optimizer.prepare_grads()
@@ -362,6 +425,30 @@ class MegatronBackend:
         return step_metrics(
             per_mb, grad_norm=grad_norm, lr=lr, skipped=skipped, tokens=tokens, seconds=seconds
         )
+
+    def _pipelined_backward(
+        self, micro_batches: list[MicroBatch], loss_fn: LossFn, entropy_grad: bool
+    ) -> list[dict[str, float]]:
+        """Forward/backward of every micro-batch through megatron's 1F1B schedule (gradients
+        accumulate in DDP's buffer); returns the last stage's per-micro-batch metrics on every stage."""
+
+        def forward_step(data: Iterator[MicroBatch], model: Any) -> tuple[torch.Tensor, Any]:
+            mb = next(data)
+            out = self._stage_forward(model, mb)
+            if not self.post_process:
+                return out, None  # the schedule sends it to the next stage
+            logprobs, entropy = self._logprobs_from_logits(out, mb, entropy_grad)
+
+            def loss_func(lp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+                loss, metrics = loss_fn(mb, lp, entropy)
+                # the token count only feeds megatron's per-token scaling, which train_step skips
+                return loss, torch.tensor(mb.num_tokens, dtype=torch.int), metrics
+
+            return logprobs, loss_func
+
+        mbs = [_to_device(mb, self.device) for mb in micro_batches]
+        per_mb = pipeline.run_schedule(self.model, mbs, forward_step, False)
+        return pipeline.from_last_stage_objects(per_mb, self.pp_group, self.pp, self.device)  # type: ignore[no-any-return]
 
     # ------------------------------------------------------------------ weights out
 
@@ -384,13 +471,37 @@ class MegatronBackend:
             if parts is not None:
                 yield name, convert.unshard(name, parts)
 
+    def _shipped(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """`_gathered` less the last stage's copy of tied embeddings (the first stage's is sent)."""
+        for name, t in self._gathered():
+            if not (name == "output_layer.weight" and self.shape.tie_word_embeddings):
+                yield name, t
+
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full weights under Hugging Face names (megatron state-dict order, q/k/v and gate/up split),
-        yielded on the source rank only; TP ranks of DP replica 0 take part in the gathers. Tensors may
-        be views of the live parameters: copy them if they must outlive the next `train_step`."""
+        """Full weights under Hugging Face names (megatron state-dict order, q/k/v and gate/up split,
+        stage after stage), yielded on the source rank only; every rank of DP replica 0 takes part
+        (TP gathers, then each later stage sends its tensors to the source). Tensors may be views of
+        the live parameters: copy them if they must outlive the next `train_step`."""
         if self.dp_rank != 0:
             return
-        for name, full in self._gathered():
+        local_shapes = [
+            (name, t.shape, t.dtype)
+            for name, t in self.module.state_dict().items()
+            if not name.endswith("_extra_state")
+            and not (name == "output_layer.weight" and self.shape.tie_word_embeddings)
+        ]
+        stages = pipeline.stage_weights(
+            self._shipped,
+            local_shapes,
+            tp=self.tp,
+            tp_rank=self.tp_rank,
+            pp=self.pp,
+            pp_rank=self.pp_rank,
+            first_layer=self.first_layer,
+            group=self.pp_group,
+            device=self.device,
+        )
+        for name, full in stages:
             hf = convert.megatron_to_hf({name: full}, self.shape)
             if self.is_source:
                 yield from hf.items()
@@ -420,7 +531,7 @@ class MegatronBackend:
     def _layout(self) -> dict[str, Any]:
         return {
             "tp": self.tp,
-            "pp": 1,
+            "pp": self.pp,
             "dp": self.dp_size,
             "world": dist.get_world_size(),
             "dtype": str(self.dtype),
@@ -462,7 +573,7 @@ class MegatronBackend:
         if saved != self._layout():
             raise MegatronBackendError(
                 f"{directory}: written with layout {saved}, this run is {self._layout()}; "
-                f"resume with the same tp/dp, or export_hf and start from the exported model"
+                f"resume with the same tp/pp/dp, or export_hf and start from the exported model"
             )
         state = torch.load(
             directory / f"megatron_rank{self.rank:05d}.pt", map_location=self.device, weights_only=True

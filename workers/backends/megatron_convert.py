@@ -262,3 +262,51 @@ def unshard(name: str, parts: list[torch.Tensor]) -> torch.Tensor:
         halves = [torch.chunk(p, 2) for p in parts]
         return torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
     return torch.cat(parts, dim=dim)
+
+
+# ---------------------------------------------------------------- pipeline stages
+
+
+def stage_tensors(
+    mg: dict[str, torch.Tensor],
+    s: ModelShape,
+    first_layer: int,
+    num_layers: int,
+    pre_process: bool,
+    post_process: bool,
+) -> dict[str, torch.Tensor]:
+    """The full megatron tensors one pipeline stage holds, under the stage's own names: layers
+    `first_layer .. first_layer + num_layers - 1` renumbered from 0 (megatron's state dict counts
+    layers per stage), the embedding on the first stage, the final norm and output layer on the last.
+    With tied embeddings and more than one stage, the last stage keeps its own copy of the embedding
+    as `output_layer.weight` (megatron keeps the two in sync by all-reducing their gradients)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in mg.items():
+        if (match := _MG_LAYER.fullmatch(name)) is not None:
+            local = int(match.group(1)) - first_layer
+            if 0 <= local < num_layers:
+                out[f"decoder.layers.{local}.{match.group(2)}"] = t
+        elif name == "embedding.word_embeddings.weight":
+            if pre_process:
+                out[name] = t
+            if post_process and not pre_process and s.tie_word_embeddings:
+                out["output_layer.weight"] = t
+        elif post_process:
+            out[name] = t  # decoder.final_layernorm.weight, output_layer.weight
+    return out
+
+
+def global_layer_name(name: str, first_layer: int) -> str:
+    """A stage's tensor name with its layer index made global (inverse of `stage_tensors`' renaming)."""
+    match = _MG_LAYER.fullmatch(name)
+    if match is None or first_layer == 0:
+        return name
+    return f"decoder.layers.{int(match.group(1)) + first_layer}.{match.group(2)}"
+
+
+def full_shape(name: str, local: torch.Size, tp: int) -> torch.Size:
+    """Shape of the full tensor `name` whose TP shard has shape `local` (what `unshard` returns)."""
+    dim = tp_split_dim(name)
+    if dim is None or tp == 1:
+        return local
+    return torch.Size(n * tp if i == dim else n for i, n in enumerate(local))

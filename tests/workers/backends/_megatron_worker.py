@@ -1,7 +1,7 @@
 """Shared by test_megatron.py and the processes it starts: a tiny job spec, fixed micro-batches, a
 PPO-style loss with an optional entropy bonus, and `run_steps`, the sequence every layout runs: TP=1
-in the test process; TP=2, then TP=1 x DP=2, in two processes started by
-`python -m tests.workers.backends._megatron_worker`."""
+in the test process; TP=2, then TP=1 x DP=2, then PP=2 (plus export and resume), then a Qwen3 at TP=2,
+in two processes started by `python -m tests.workers.backends._megatron_worker`."""
 
 from __future__ import annotations
 
@@ -21,13 +21,15 @@ from workers.backends.base import MicroBatch
 STEPS = 3
 
 
-def tiny_spec(model_dir: Path, tp: int = 1, dp: int = 1, warmup: int = 2, grad_clip: float = 1.0) -> JobSpec:
+def tiny_spec(
+    model_dir: Path, tp: int = 1, dp: int = 1, warmup: int = 2, grad_clip: float = 1.0, pp: int = 1
+) -> JobSpec:
     return JobSpec(
         name="megatron-test",
         model=ModelConfig(path=str(model_dir), dtype="float32"),
         data=DataConfig(train=SyntheticArithData()),
         learner=LearnerConfig(
-            backend="megatron", tp=tp, dp=dp, lr=1e-3, warmup_steps=warmup, grad_clip=grad_clip
+            backend="megatron", tp=tp, pp=pp, dp=dp, lr=1e-3, warmup_steps=warmup, grad_clip=grad_clip
         ),
         train=TrainConfig(steps=STEPS, seed=0),
     )
@@ -96,10 +98,31 @@ def run_steps(backend: Any, vocab: int, dp_part: int | None = None) -> dict[str,
     return out
 
 
+def run_pp2(model_dir: Path, vocab: int, tmp: Path) -> dict[str, Any]:
+    """`run_steps` as two pipeline stages, then export, save, and a resumed backend's next step."""
+    from workers.backends.megatron import make_backend
+
+    backend = make_backend(tiny_spec(model_dir, pp=2), model_dir)
+    out = run_steps(backend, vocab)
+    backend.export_hf(tmp / "pp2_export")
+    backend.save(tmp / "pp2_ckpt")
+    extra = step_batches(vocab)[0]
+    out["next_step"] = backend.train_step(extra, loss_fn)
+    resumed = make_backend(tiny_spec(model_dir, pp=2), model_dir)
+    resumed.load(tmp / "pp2_ckpt")
+    out["resumed_step"] = resumed.train_step(extra, loss_fn)
+    for m in (out["next_step"], out["resumed_step"]):
+        m.pop("train_step_s")
+    out["resumed_weights"] = {k: v.clone() for k, v in resumed.hf_weights()}
+    out["next_weights"] = {k: v.clone() for k, v in backend.hf_weights()}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--qwen3", type=Path, required=True, help="a Qwen3 model folder (q/k norms)")
     args = ap.parse_args(argv)
     import torch.distributed as dist
 
@@ -116,8 +139,12 @@ def main(argv: list[str] | None = None) -> int:
         parallel_state.destroy_model_parallel()  # same two processes, now as two data-parallel ranks
         backend = make_backend(tiny_spec(args.model, dp=2), args.model)
         results["dp2"] = run_steps(backend, vocab, dp_part=backend.dp_rank)
-        if rank == 0:
-            torch.save(results, args.out)
+        parallel_state.destroy_model_parallel()  # and now as two pipeline stages
+        results["pp2"] = run_pp2(args.model, vocab, args.out.parent)
+        parallel_state.destroy_model_parallel()  # Qwen3's q/k norms: replicated weights, TP-split heads
+        qwen3_vocab = json.loads((args.qwen3 / "config.json").read_text())["vocab_size"]
+        results["qwen3_tp2"] = run_steps(make_backend(tiny_spec(args.qwen3, tp=2), args.qwen3), qwen3_vocab)
+        torch.save(results, args.out if rank == 0 else args.out.with_suffix(f".rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
     return 0

@@ -1,8 +1,9 @@
-"""Megatron-core learner backend on CPU: conversion, numerics against transformers, TP=2 == TP=1,
-checkpoint resume, Hugging Face export.
+"""Megatron-core learner backend on CPU: conversion, numerics against transformers, TP=2 == DP=2 ==
+PP=2 == TP=1, checkpoint resume, Hugging Face export.
 
-The TP=1 backend runs in this process (a gloo world of one, built once per module); TP=2 runs in two
-real processes (`_megatron_worker`) that start while the TP=1 reference is computed here.
+The TP=1 backend runs in this process (a gloo world of one, built once per module); TP=2, DP=2 and
+PP=2 run in two real processes (`_megatron_worker`) that start while the TP=1 reference is computed
+here.
 """
 
 from __future__ import annotations
@@ -60,6 +61,19 @@ def world_of_one() -> Iterator[None]:
     parallel_state.destroy_model_parallel()
     if ours:
         dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny untied Qwen3 (q/k norms, head_dim 32 != hidden / heads), 2 query groups for TP=2."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    shape = dict(vocab_size=301, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    shape |= dict(num_key_value_heads=2, intermediate_size=96, head_dim=32, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("qwen3") / "m"
+    Qwen3ForCausalLM(Qwen3Config(**shape)).float().save_pretrained(out)
+    return out
 
 
 def _vocab(model_dir: Path) -> int:
@@ -177,6 +191,24 @@ def test_conversion_round_trip_is_exact(model_dir: Path) -> None:
             assert sorted(back) == sorted(hf)
             for name, t in hf.items():
                 assert torch.equal(back[name], t), f"{shape.model_type} tp={tp}: {name}"
+        # two pipeline stages: each holds its layers under local names (and the last stage a copy of
+        # tied embeddings as its output layer); renamed back, the stages cover the model exactly
+        full = convert.hf_to_megatron(hf, shape)
+        stages = [convert.stage_tensors(full, shape, i, 1, i == 0, i == 1) for i in range(2)]
+        assert all(all(".layers.0." in n for n in st if ".layers." in n) for st in stages)
+        assert ("output_layer.weight" in stages[1]) and "output_layer.weight" not in stages[0]
+        if shape.tie_word_embeddings:
+            assert stages[1].pop("output_layer.weight") is full["embedding.word_embeddings.weight"]
+        merged = {convert.global_layer_name(n, i): t for i, st in enumerate(stages) for n, t in st.items()}
+        assert merged.keys() == full.keys() and all(merged[n] is full[n] for n in full)
+
+
+def test_pp_must_divide_the_number_of_layers(model_dir: Path) -> None:
+    from streamrl.errors import ConfigError
+    from workers.backends.megatron import make_backend
+
+    with pytest.raises(ConfigError, match="learner.pp: 3 does not divide the model's 2 layers"):
+        make_backend(tiny_spec(model_dir, pp=3), model_dir)
 
 
 def test_compat_refuses_an_unknown_megatron_version(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -331,12 +363,19 @@ def _assert_same_run(got: dict, want: dict, keys: tuple[str, ...], what: str) ->
 
 
 @pytest.mark.slow
-def test_tp2_and_dp2_over_two_processes_match_tp1(
-    model_dir: Path, world_of_one: None, tmp_path: Path
+def test_tp2_dp2_and_pp2_over_two_processes_match_tp1(
+    model_dir: Path, qwen3_dir: Path, world_of_one: None, tmp_path: Path
 ) -> None:
-    """Two real gloo processes run the same three steps as TP=2 and then as TP=1 x DP=2 (each rank
-    one of the two micro-batches); both match TP=1 in this process: log-probs, loss, entropy, grad
-    norm, lr, and the trained weights."""
+    """Two real gloo processes run the same three steps as TP=2, then as TP=1 x DP=2 (each rank one
+    of the two micro-batches), then as two pipeline stages (megatron's 1F1B schedule over gloo p2p,
+    micro-batches of different shapes, tied embeddings split between the stages); all match TP=1 in
+    this process: log-probs, loss, entropy, grad norm, lr, and the trained weights. Both pipeline
+    ranks return the same metrics and log-probs; the PP=2 export loads in transformers with the
+    trained weights, and a PP=2 backend resumed from its checkpoint takes the same next step. Last, a
+    Qwen3 at TP=2 matches its TP=1 run: its q/k norm weights are replicated but each TP rank sees
+    only its heads, so their gradients must be summed over TP (megatron's finalize_model_grads)."""
+    from transformers import AutoModelForCausalLM
+
     out = tmp_path / "results.pt"
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2"}
     cmd = [
@@ -347,6 +386,8 @@ def test_tp2_and_dp2_over_two_processes_match_tp1(
         str(model_dir),
         "--out",
         str(out),
+        "--qwen3",
+        str(qwen3_dir),
     ]
     procs = []
     for rank in range(2):
@@ -359,8 +400,9 @@ def test_tp2_and_dp2_over_two_processes_match_tp1(
         log.close()
     try:
         tp1 = run_steps(_backend(model_dir), _vocab(model_dir))  # while the two ranks import megatron
+        qwen3_tp1 = run_steps(_backend(qwen3_dir), _vocab(qwen3_dir))
         for rank, p in enumerate(procs):
-            rc = p.wait(timeout=150)
+            rc = p.wait(timeout=240)
             assert rc == 0, f"rank {rank} exited {rc}:\n" + (tmp_path / f"rank{rank}.log").read_text()[-3000:]
     finally:
         for p in procs:
@@ -368,6 +410,21 @@ def test_tp2_and_dp2_over_two_processes_match_tp1(
     results = torch.load(out, weights_only=False)
     _assert_same_run(results["tp2"], tp1, ("loss", "entropy", "grad_norm", "lr", "tokens"), "TP=2")
     _assert_same_run(results["dp2"], tp1, ("grad_norm", "lr"), "DP=2")
+    keys = ("loss", "entropy", "grad_norm", "lr", "tokens", "micro_batches")
+    pp2 = results["pp2"]
+    _assert_same_run(pp2, tp1, keys, "PP=2")
+    last_stage = torch.load(out.with_suffix(".rank1.pt"), weights_only=False)["pp2"]
+    assert last_stage["steps"] == pp2["steps"]  # the last stage's metrics, on the first stage too
+    assert torch.equal(last_stage["before"], pp2["before"]) and torch.equal(last_stage["after"], pp2["after"])
+    assert last_stage["weights"] == {}  # weights are yielded on global rank 0 only
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "pp2_export").state_dict()
+    assert all(torch.equal(exported[k], w) for k, w in pp2["weights"].items())
+    assert pp2["resumed_step"] == pp2["next_step"]
+    assert all(torch.equal(w, pp2["next_weights"][k]) for k, w in pp2["resumed_weights"].items())
+    qwen3 = results["qwen3_tp2"]
+    _assert_same_run({**qwen3, "weights": {}}, {**qwen3_tp1, "weights": {}}, keys, "Qwen3 TP=2")
+    for k, w in qwen3_tp1["weights"].items():  # Adam's first steps amplify fp32 rounding on the norms
+        torch.testing.assert_close(qwen3["weights"][k], w, atol=5e-5, rtol=0, msg=f"Qwen3 TP=2: {k}")
 
 
 def test_a_non_finite_gradient_skips_the_update(model_dir: Path, world_of_one: None) -> None:
