@@ -12,6 +12,7 @@ the right to `T`. Per-token tensors are indexed by the *target* position: entry 
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,3 +119,26 @@ def step_metrics(
         train_step_s=seconds,
     )
     return out
+
+
+# What export_hf copies from the source model folder next to the weights it writes.
+MODEL_FOLDER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
+
+def copy_model_folder_files(source: Path, directory: Path) -> None:
+    """Tokenizer, chat template and generation config of `source` into an exported folder; a file the
+    export already wrote (save_pretrained writes generation_config.json) is kept."""
+    for name in MODEL_FOLDER_FILES:
+        if (source / name).is_file() and not (directory / name).exists():
+            shutil.copy2(source / name, directory / name)

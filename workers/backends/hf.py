@@ -37,7 +37,6 @@ import contextlib
 import math
 import os
 import random
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,22 +49,11 @@ from streamrl.config import JobSpec
 from streamrl.errors import ConfigError
 from streamrl.log import get_logger
 from streamrl.weight_sync import flatten_parameters
-from workers.backends.base import LossFn, MicroBatch, step_metrics
+from workers.backends.base import LossFn, MicroBatch, copy_model_folder_files, step_metrics
 
 log = get_logger(__name__)
 
 CHECKPOINT = "hf_learner.pt"
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 
 
 class HFBackend:
@@ -238,10 +226,7 @@ class HFBackend:
             directory.mkdir(parents=True, exist_ok=True)
             with _no_progress_bar():
                 self.model.save_pretrained(directory)
-            for name in (*TOKENIZER_FILES, "generation_config.json"):
-                src = self.model_dir / name
-                if src.exists() and not (name == "generation_config.json" and (directory / name).exists()):
-                    shutil.copy2(src, directory / name)
+            copy_model_folder_files(self.model_dir, directory)
         self._barrier()
 
     # ------------------------------------------------------------ checkpoints

@@ -31,7 +31,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,24 +46,11 @@ from streamrl.errors import ConfigError, StreamrlError
 from workers.backends import megatron_compat as compat
 from workers.backends import megatron_convert as convert
 from workers.backends import megatron_pipeline as pipeline
-from workers.backends.base import LossFn, MicroBatch, step_metrics
+from workers.backends.base import LossFn, MicroBatch, copy_model_folder_files, step_metrics
 from workers.backends.vocab_parallel import vocab_parallel_logprobs
 
 logger = log.get_logger("workers.backends.megatron")
 
-# copied from the source model folder by export_hf (the weights and config.json are written anew)
-_COPIED_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "chat_template.json",
-    "generation_config.json",
-)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -514,9 +500,7 @@ class MegatronBackend:
         tensors = {name: t.detach().cpu().contiguous().clone() for name, t in self.hf_weights()}
         if self.is_source:
             directory.mkdir(parents=True, exist_ok=True)
-            for name in _COPIED_FILES:
-                if (self.model_dir / name).is_file():
-                    shutil.copy2(self.model_dir / name, directory / name)
+            copy_model_folder_files(self.model_dir, directory)
             cfg = dict(self.hf_config)
             dtype = str(self.dtype).removeprefix("torch.")
             cfg["dtype"] = dtype
