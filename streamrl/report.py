@@ -308,6 +308,11 @@ def _windowed_success(records: list[Record]) -> tuple[list[float], list[float]]:
 
 
 def plot_tools(data: RunData) -> Figure | str:
+    made = [r.get("tool_calls_mean") for r in data.learner] + [
+        r.get("tool_calls") for rs in data.generators.values() for r in rs
+    ]
+    if not any(_number(v) and v > 0 for v in made):
+        return "no tool calls in this run"
     scale, wall = _wall(data)
     success = Panel("tool-call success rate", wall)
     latency = Panel("sandbox latency", wall, ylabel="ms per call")
