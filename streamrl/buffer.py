@@ -19,7 +19,8 @@ Invariants (tests/streamrl/test_buffer.py checks each):
    accepted = groups accepted and not dropped (ready + delivered + trained). Groups filtered by RoC
    never count; groups dropped by the staleness sweep stop counting, so their slots reopen.
 3. No trained group is older than eta: before each batch the ready queue is swept and every group
-   with step - admitted_version > eta is dropped, counted and logged.
+   with step - admitted_version > eta is dropped, counted and logged. A group with a model token
+   older than its admission version (a restarted engine) is sent back for re-dispatch.
 4. No silent loss: every dispatch has a uid with a ledger entry that ends as `trained` (once) or
    `dropped` with a reason. A prompt whose generator died or gave it back is dispatched again under
    the same uid; the first complete group for a uid wins, later ones are acknowledged as duplicates.
@@ -169,6 +170,13 @@ class ReplayBuffer:
             self.release([group.uid], "malformed")
             self.counters["rejected"] += 1
             return GroupAck(uid=group.uid, status="rejected", detail=str(e))
+        if (oldest := _oldest_model_token_version(group)) < group.admitted_version:
+            # An engine behind the policy the prompt was admitted under (one restarted with its
+            # initial weights, or skipped by a failed push) sampled it: training it would break the
+            # staleness bound, so the prompt is generated again.
+            self.release([group.uid], "behind_admission")
+            detail = f"tokens of version {oldest} for a prompt admitted at version {group.admitted_version}"
+            return GroupAck(uid=group.uid, status="filtered", detail=detail)
         self._forget_dispatch(group.uid)
         self.counters["groups_in"] += 1
         self.counters["trajectories_in"] += len(group.trajectories)
@@ -308,6 +316,16 @@ class ReplayBuffer:
             if e.state == "dispatched" and uid not in holding:
                 problems.append(f"uid {uid} is dispatched but neither in flight nor queued")
         return problems
+
+
+def _oldest_model_token_version(group: Group) -> int:
+    """The lowest weight version among the group's model tokens (tool tokens carry -1 and are skipped)."""
+    oldest = group.admitted_version
+    for t in group.trajectories:
+        versions = unpack("versions", t.versions)[unpack("loss_mask", t.loss_mask) > 0]
+        if versions.size:
+            oldest = min(oldest, int(versions.min()))
+    return oldest
 
 
 def write_snapshot(snap: BufferSnapshot, path: str | Path) -> None:

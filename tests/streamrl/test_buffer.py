@@ -85,6 +85,25 @@ def test_synchronous_admission_dispatches_exactly_one_batch_per_version() -> Non
     assert len(buf.admit("g0", 100)) == 4
 
 
+def test_a_group_sampled_by_an_engine_behind_its_admission_version_is_generated_again() -> None:
+    buf = make_buffer(B=2, eta=1)
+    buf.on_weights_published(version=3, step=2)
+    p, other = buf.admit("g0", 2)
+    g = make_group(p, MIXED)
+    # One trajectory's model tokens came from a restarted engine still at version 0; the tool-like
+    # token in the middle (mask 0, version -1) never counts.
+    g.trajectories[1].versions = m.pack("versions", [3, -1, 0])
+    g.trajectories[1].loss_mask = m.pack("loss_mask", [1, 0, 1])
+    ack = buf.add_group(g)
+    assert ack.status == "filtered" and "version 0" in ack.detail and "admitted at version 3" in ack.detail
+    assert buf.counters["released_behind_admission"] == 1 and not buf.ready
+    again = buf.admit("g1", 1)
+    assert [q.uid for q in again] == [p.uid]  # re-dispatched first, under the same uid
+    assert buf.add_group(make_group(again[0], MIXED)).status == "accepted"
+    assert buf.add_group(make_group(other, MIXED)).status == "accepted"
+    assert buf.ledger_problems() == []
+
+
 def test_staleness_budget_allows_eta_extra_batches_in_flight() -> None:
     buf = make_buffer(B=4, eta=2)
     assert len(buf.admit("g0", 100)) == 12

@@ -8,6 +8,7 @@ with its reward pool and embedded sandbox; the test plays the learner.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -15,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -107,7 +109,8 @@ def running_cluster(
             ],
             tmp_path / "generator.log",
         )
-        yield {"procs": procs, "address": address, "tmp": tmp_path}
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        yield {"procs": procs, "address": address, "tmp": tmp_path, "urls": urls}
     finally:
         for p in procs.values():
             if p.poll() is None:
@@ -136,6 +139,18 @@ def next_batch(learner: Client, step: int, deadline: float) -> m.Batch:
     raise AssertionError(f"no batch for step {step} in time")
 
 
+def publish(learner: Client, engine_url: str, version: int, step: int) -> None:
+    """What the learner does after a step, minus the weights: the engine moves to `version` first
+    (the buffer sends back groups sampled behind their admission version), then the buffer learns it."""
+    body = json.dumps({"new_version": str(version)}).encode()
+    req = urllib.request.Request(
+        engine_url + "/update_weight_version", body, {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(req, timeout=30) as answer:
+        assert json.load(answer)["success"]
+    learner.send(m.WeightsPublished(version=version, step=step))
+
+
 def check_batch(batch: m.Batch) -> None:
     assert len(batch.groups) == 2
     for group, adv in zip(batch.groups, batch.advantages, strict=True):
@@ -145,7 +160,7 @@ def check_batch(batch: m.Batch) -> None:
         for t in group.trajectories:
             m.check_trajectory(t)
             assert 1 <= t.num_tokens <= 6 and t.reward in (0.0, 1.0)
-            assert set(m.unpack("versions", t.versions)) == {0}  # the engines serve version 0
+            assert set(m.unpack("versions", t.versions)) <= {batch.step - 1, batch.step}
             assert np.all(m.unpack("logprobs", t.logprobs) <= 0)
             assert np.all(m.unpack("loss_mask", t.loss_mask) == 1)  # single-turn: every token is the model's
 
@@ -158,10 +173,10 @@ def test_generator_streams_groups_into_a_running_buffer_and_survives_a_dead_engi
         check_batch(next_batch(learner, 0, deadline))
         procs["engine0"].kill()  # kill -9 one engine: its samples move to the other
         procs["engine0"].wait(timeout=10)
-        learner.send(m.WeightsPublished(version=1, step=0))
+        publish(learner, cluster["urls"][1], version=1, step=0)
         for step in (1, 2):
             check_batch(next_batch(learner, step, deadline))
-            learner.send(m.WeightsPublished(version=step + 1, step=step))
+            publish(learner, cluster["urls"][1], version=step + 1, step=step)
         assert procs["generator"].poll() is None and procs["buffer"].poll() is None
     log = (cluster["tmp"] / "generator.log").read_text()
     assert log.count('"event": "engine_failed"') == 1, "the dead engine was never noticed (or noticed twice)"
