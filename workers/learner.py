@@ -236,7 +236,12 @@ class LearnerRole:
         t0 = time.monotonic()
         out = b.train_step(mbs, loss_fn)
         seconds = time.monotonic() - t0
-        tokens = sum(mb.num_tokens for mb in mbs) * b.dp_size
+        # The whole step's tokens (every DP rank's share), read from the batch: no collective needed.
+        tokens = sum(
+            unpack("prompt_tokens", g.prompt_tokens).size + t.num_tokens
+            for g in batch.groups
+            for t in g.trajectories
+        )
         return {**out, "train_s": seconds, "tokens": tokens, "tokens_per_s": tokens / max(seconds, 1e-9)}
 
     def evaluate(self, step: int) -> None:
