@@ -23,6 +23,10 @@ the same values. With pp = 1 a plain loop runs instead (no p2p, no schedule over
 
 Not supported: virtual (interleaved) pipeline stages, the distributed optimizer on CPU, resuming
 with a different parallel layout (use `export_hf`).
+
+Layout: construction from the Hugging Face folder is in `megatron_build`; weights out (`hf_weights`,
+`export_hf`) and checkpoints (`save`, `load`) are in `megatron_io`; this module holds the rank's state,
+the forward pass, log-probs and the training step.
 """
 
 from __future__ import annotations
@@ -38,24 +42,22 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from streamrl import log
 from streamrl.config import JobSpec
-from streamrl.errors import ConfigError, StreamrlError
+from streamrl.errors import ConfigError
+from workers.backends import megatron_build as build
 from workers.backends import megatron_compat as compat
 from workers.backends import megatron_convert as convert
+from workers.backends import megatron_io
 from workers.backends import megatron_pipeline as pipeline
-from workers.backends.base import LossFn, MicroBatch, copy_model_folder_files, step_metrics
+from workers.backends.base import LossFn, MicroBatch, step_metrics
+from workers.backends.megatron_build import MegatronBackendError
 from workers.backends.vocab_parallel import vocab_parallel_logprobs
 
+__all__ = ["MegatronBackend", "MegatronBackendError", "make_backend"]
+
 logger = log.get_logger("workers.backends.megatron")
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class MegatronBackendError(StreamrlError):
-    """The megatron backend cannot do what was asked (layout, checkpoint mismatch)."""
 
 
 def _to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
@@ -63,37 +65,6 @@ def _to_device(mb: MicroBatch, device: torch.device) -> MicroBatch:
         return mb
     moved = {f.name: getattr(mb, f.name) for f in dataclasses.fields(mb)}
     return MicroBatch(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()})
-
-
-def _read_hf_weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise MegatronBackendError(f"{model_dir}: no *.safetensors weights (save the model with safetensors)")
-    out: dict[str, torch.Tensor] = {}
-    for f in files:
-        out.update(load_file(str(f)))
-    return out
-
-
-def _init_parallel(tp: int, pp: int, dp: int) -> None:
-    """Megatron's parallel state over the already-initialised default group."""
-    from megatron.core import parallel_state as ps
-
-    if not dist.is_initialized():
-        raise MegatronBackendError("megatron backend: torch.distributed is not initialised (init it first)")
-    world = dist.get_world_size()
-    if world != tp * pp * dp:
-        raise ConfigError(
-            f"learner: tp*pp*dp = {tp}*{pp}*{dp} = {tp * pp * dp}, but the world has {world} ranks"
-        )
-    if ps.model_parallel_is_initialized():
-        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
-        if have != (tp, pp):
-            raise MegatronBackendError(f"megatron parallel state already initialised with (tp, pp) = {have}")
-        return
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
 
 
 class MegatronBackend:
@@ -114,7 +85,7 @@ class MegatronBackend:
                 f"learner.pp: {lc.pp} does not divide the model's {self.shape.num_layers} layers "
                 f"(each pipeline stage holds the same number of layers)"
             )
-        _init_parallel(lc.tp, lc.pp, lc.dp)
+        build.init_parallel(lc.tp, lc.pp, lc.dp)
         self.tp, self.tp_rank = lc.tp, ps.get_tensor_model_parallel_rank()
         self.pp, self.pp_rank = lc.pp, ps.get_pipeline_model_parallel_rank()
         self.pp_group = ps.get_pipeline_model_parallel_group()
@@ -130,7 +101,7 @@ class MegatronBackend:
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
             self.device = torch.device("cuda", torch.cuda.current_device())
-            self.dtype = _DTYPES[spec.model.dtype]
+            self.dtype = build.DTYPES[spec.model.dtype]
         else:
             self.device, self.dtype = torch.device("cpu"), torch.float32  # CPU matmuls: fp32 only
 
@@ -138,9 +109,24 @@ class MegatronBackend:
         torch.manual_seed(spec.train.seed)
         tensor_parallel.model_parallel_cuda_manual_seed(spec.train.seed)
         with compat.cuda_to_cpu():
-            module = self._build_model()
-            self._load_hf(module)
-            self.model, self.optimizer, self.scheduler = self._wrap(module)
+            config = build.transformer_config(
+                self.shape, self.tp, self.pp, self.dtype, self.device.type == "cpu"
+            )
+            module = build.build_model(
+                self.shape, config, self.vocab_padded, self.pre_process, self.post_process, self.device
+            )
+            build.load_hf_weights(
+                module,
+                self.model_dir,
+                self.shape,
+                tp=self.tp,
+                tp_rank=self.tp_rank,
+                first_layer=self.first_layer,
+                stage_layers=self.stage_layers,
+                pre_process=self.pre_process,
+                post_process=self.post_process,
+            )
+            self.model, self.optimizer, self.scheduler = build.wrap(module, lc, self.dtype)
         self.module = module
         self.steps_done = 0
         logger.info(
@@ -154,146 +140,6 @@ class MegatronBackend:
             dtype=str(self.dtype),
             params=sum(p.numel() for p in module.parameters()),
         )
-
-    # ------------------------------------------------------------------ construction
-
-    def _transformer_config(self) -> Any:
-        from megatron.core.transformer import TransformerConfig
-
-        s, on_cpu = self.shape, self.device.type == "cpu"
-        return TransformerConfig(
-            num_layers=s.num_layers,
-            hidden_size=s.hidden_size,
-            num_attention_heads=s.num_heads,
-            num_query_groups=s.num_query_groups,
-            kv_channels=s.head_dim,
-            ffn_hidden_size=s.ffn_hidden_size,
-            normalization="RMSNorm",
-            layernorm_epsilon=s.rms_norm_eps,
-            gated_linear_unit=True,
-            activation_func=F.silu,
-            add_bias_linear=False,
-            add_qkv_bias=s.qkv_bias,
-            qk_layernorm=s.qk_norm,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            attention_softmax_in_fp32=True,
-            tensor_model_parallel_size=self.tp,
-            pipeline_model_parallel_size=self.pp,
-            pipeline_dtype=self.dtype,  # of the activations sent between stages
-            # micro-batches of a step differ in length and size: send each activation's shape first
-            variable_seq_lengths=self.pp > 1,
-            moe_token_dispatcher_type="alltoall",  # no MoE; the default refuses variable_seq_lengths
-            params_dtype=self.dtype,
-            bf16=self.dtype == torch.bfloat16,
-            fp16=self.dtype == torch.float16,
-            use_cpu_initialization=on_cpu,
-            # Initialisation is wasted (the checkpoint overwrites it), but megatron sets the
-            # tensor-parallel attributes of weights only inside its init functions; without them
-            # the grad norm (and so clipping) counts every TP-sharded weight on TP rank 0 only.
-            perform_initialization=True,
-            # Fused kernels need Transformer Engine / Apex (absent here, and CUDA-only):
-            gradient_accumulation_fusion=False,
-            bias_activation_fusion=False,
-            masked_softmax_fusion=False,
-            bias_dropout_fusion=False,
-            apply_rope_fusion=False,
-            persist_layer_norm=False,
-            # Losses arrive pre-normalised (streamrl/losses.py: their sum over micro-batches and DP
-            # ranks is the step's loss), so DDP must sum gradients over DP ranks, not average them;
-            # this flag is what makes megatron's DDP skip its 1/dp pre-scaling.
-            calculate_per_token_loss=True,
-            cuda_graph_scope=[],  # megatron's default ("full") warns that it is deprecated
-        )
-
-    def _build_model(self) -> Any:
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-        s = self.shape
-        model = GPTModel(
-            config=self._transformer_config(),
-            transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=s.qk_norm, normalization="RMSNorm"),
-            vocab_size=self.vocab_padded,
-            max_sequence_length=s.max_position_embeddings,
-            parallel_output=True,  # keep logits vocab-sharded; the log-softmax reduces across TP
-            share_embeddings_and_output_weights=s.tie_word_embeddings,
-            position_embedding_type="rope",
-            rotary_base=int(s.rope_theta) if float(s.rope_theta).is_integer() else s.rope_theta,  # type: ignore[arg-type]
-            rope_scaling=s.llama3_rope_scaling is not None,
-            rope_scaling_factor=s.llama3_rope_scaling or 8.0,
-            pre_process=self.pre_process,
-            post_process=self.post_process,
-        )
-        return model.to(self.device)
-
-    def _load_hf(self, module: torch.nn.Module) -> None:
-        full = convert.hf_to_megatron(_read_hf_weights(self.model_dir), self.shape, self.tp)
-        full = convert.stage_tensors(
-            full, self.shape, self.first_layer, self.stage_layers, self.pre_process, self.post_process
-        )
-        mine = convert.shard(full, self.tp_rank, self.tp)
-        expected = {k for k in module.state_dict() if not k.endswith("_extra_state")}
-        if set(mine) != expected:
-            raise MegatronBackendError(
-                f"{self.model_dir}: converted weights do not match the megatron model: "
-                f"missing {sorted(expected - set(mine))[:5]}, unexpected {sorted(set(mine) - expected)[:5]}"
-            )
-        with torch.no_grad():
-            params = dict(module.named_parameters())
-            for name, t in mine.items():
-                dst = params[name]
-                if dst.shape != t.shape:
-                    raise MegatronBackendError(
-                        f"{name}: checkpoint shard {tuple(t.shape)}, model {tuple(dst.shape)}"
-                    )
-                dst.copy_(t)
-
-    def _wrap(self, module: torch.nn.Module) -> tuple[Any, Any, Any]:
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-        lc = self.spec.learner
-        ddp = DistributedDataParallel(
-            config=module.config,  # type: ignore[attr-defined]
-            ddp_config=DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
-            ),
-            module=module,
-        )
-        opt = get_megatron_optimizer(
-            OptimizerConfig(
-                optimizer="adam",
-                lr=lc.lr,
-                min_lr=lc.lr,
-                weight_decay=lc.weight_decay,
-                adam_beta1=lc.adam_beta1,
-                adam_beta2=lc.adam_beta2,
-                adam_eps=lc.adam_eps,
-                clip_grad=lc.grad_clip,
-                bf16=self.dtype == torch.bfloat16,
-                fp16=self.dtype == torch.float16,
-                params_dtype=self.dtype,
-                use_distributed_optimizer=False,  # its wrapped-param type checks are CUDA-only
-            ),
-            [ddp],
-        )
-        warmup = lc.warmup_steps
-        sched = OptimizerParamScheduler(
-            opt,
-            init_lr=0.0 if warmup else lc.lr,
-            max_lr=lc.lr,
-            min_lr=lc.lr,
-            lr_warmup_steps=warmup,
-            lr_decay_steps=warmup + 1,  # constant after warmup; must exceed the warmup
-            lr_decay_style="constant",
-            start_wd=lc.weight_decay,
-            end_wd=lc.weight_decay,
-            wd_incr_steps=1,
-            wd_incr_style="constant",
-        )
-        return ddp, opt, sched
 
     # ------------------------------------------------------------------ forward
 
@@ -436,145 +282,26 @@ class MegatronBackend:
         per_mb = pipeline.run_schedule(self.model, mbs, forward_step, False)
         return pipeline.from_last_stage_objects(per_mb, self.pp_group, self.pp, self.device)  # type: ignore[no-any-return]
 
-    # ------------------------------------------------------------------ weights out
-
-    def _gathered(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(megatron name, full tensor) on TP rank 0 of DP replica 0; other ranks join the gathers."""
-        for name, t in self.module.state_dict().items():
-            if name.endswith("_extra_state"):
-                continue
-            t = t.detach()
-            if self.tp == 1:
-                yield name, t
-                continue
-            if convert.tp_split_dim(name) is None:
-                if self.tp_rank == 0:
-                    yield name, t
-                continue
-            t = t.contiguous()
-            parts = [torch.empty_like(t) for _ in range(self.tp)] if self.tp_rank == 0 else None
-            dist.gather(t, parts, group=self.tp_group, group_dst=0)
-            if parts is not None:
-                yield name, convert.unshard(name, parts)
-
-    def _shipped(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """`_gathered` less the last stage's copy of tied embeddings (the first stage's is sent)."""
-        for name, t in self._gathered():
-            if not (name == "output_layer.weight" and self.shape.tie_word_embeddings):
-                yield name, t
+    # ------------------------------------------------------------------ weights out and checkpoints
 
     def hf_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full weights under Hugging Face names (megatron state-dict order, q/k/v and gate/up split,
         stage after stage), yielded on the source rank only; every rank of DP replica 0 takes part
         (TP gathers, then each later stage sends its tensors to the source). Tensors may be views of
         the live parameters: copy them if they must outlive the next `train_step`."""
-        if self.dp_rank != 0:
-            return
-        local_shapes = [
-            (name, t.shape, t.dtype)
-            for name, t in self.module.state_dict().items()
-            if not name.endswith("_extra_state")
-            and not (name == "output_layer.weight" and self.shape.tie_word_embeddings)
-        ]
-        stages = pipeline.stage_weights(
-            self._shipped,
-            local_shapes,
-            tp=self.tp,
-            tp_rank=self.tp_rank,
-            pp=self.pp,
-            pp_rank=self.pp_rank,
-            first_layer=self.first_layer,
-            group=self.pp_group,
-            device=self.device,
-        )
-        for name, full in stages:
-            hf = convert.megatron_to_hf({name: full}, self.shape)
-            if self.is_source:
-                yield from hf.items()
+        return megatron_io.hf_weights(self)
 
     def export_hf(self, directory: Path) -> None:
         """config.json, model.safetensors and the source model's tokenizer files, written by the source rank."""
-        from safetensors.torch import save_file
-
-        directory = Path(directory)
-        tensors = {name: t.detach().cpu().contiguous().clone() for name, t in self.hf_weights()}
-        if self.is_source:
-            directory.mkdir(parents=True, exist_ok=True)
-            copy_model_folder_files(self.model_dir, directory)
-            cfg = dict(self.hf_config)
-            dtype = str(self.dtype).removeprefix("torch.")
-            cfg["dtype"] = dtype
-            if "torch_dtype" in cfg:
-                cfg["torch_dtype"] = dtype
-            (directory / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-            save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
-        dist.barrier()
-
-    # ------------------------------------------------------------------ checkpoints
-
-    def _layout(self) -> dict[str, Any]:
-        return {
-            "tp": self.tp,
-            "pp": self.pp,
-            "dp": self.dp_size,
-            "world": dist.get_world_size(),
-            "dtype": str(self.dtype),
-        }
+        megatron_io.export_hf(self, directory)
 
     def save(self, directory: Path) -> None:
         """Per-rank file: model shard, optimizer and scheduler state, RNG states, step count (same layout to load)."""
-        from megatron.core import tensor_parallel
-
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        state = {
-            "model": {k: v for k, v in self.module.state_dict().items() if not k.endswith("_extra_state")},
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "rng_cpu": torch.get_rng_state(),
-            "rng_cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-            "rng_tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-            "steps_done": self.steps_done,
-        }
-        path = directory / f"megatron_rank{self.rank:05d}.pt"
-        tmp = path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-        if self.rank == 0:
-            (directory / "megatron_layout.json").write_text(json.dumps(self._layout()) + "\n")
-        dist.barrier()
+        megatron_io.save(self, directory)
 
     def load(self, directory: Path) -> None:
-        from megatron.core import tensor_parallel
-
-        directory = Path(directory)
-        layout_file = directory / "megatron_layout.json"
-        if not layout_file.is_file():
-            raise MegatronBackendError(
-                f"{directory}: not a megatron learner checkpoint (no megatron_layout.json)"
-            )
-        saved = json.loads(layout_file.read_text())
-        if saved != self._layout():
-            raise MegatronBackendError(
-                f"{directory}: written with layout {saved}, this run is {self._layout()}; "
-                f"resume with the same tp/pp/dp, or export_hf and start from the exported model"
-            )
-        state = torch.load(
-            directory / f"megatron_rank{self.rank:05d}.pt", map_location=self.device, weights_only=True
-        )
-        with torch.no_grad():
-            params = dict(self.module.named_parameters())
-            for name, t in state["model"].items():
-                params[name].copy_(t)
-        with compat.cuda_to_cpu():
-            self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng_cpu"])
-        if state["rng_cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["rng_cuda"])
-        tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker"])
-        self.steps_done = int(state["steps_done"])
-        dist.barrier()
+        """Restore what `save` wrote; the tp/pp/dp layout must be the same."""
+        megatron_io.load(self, directory)
 
 
 def make_backend(spec: JobSpec, model_dir: Path | str) -> MegatronBackend:
