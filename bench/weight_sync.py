@@ -9,7 +9,7 @@ heads, MLP 4096, fp32; 4 layers, about 250 MB, or 1 layer with --quick) is serve
 engines (one torch thread each). This process holds the learner's copy and pushes it with
 `WeightPusher.push` for each bucket size: probe, pause, for each bucket post
 /update_weights_from_distributed and broadcast, answers, continue. Two learner layouts:
-- flat: the parameters live in one buffer (`weight_sync.flatten_parameters`, as the engines keep
+- flat: the parameters live in one buffer (`weight_buckets.flatten_parameters`, as the engines keep
   theirs), so every bucket goes as one flattened broadcast of a view of it, with no copy;
 - separate: each parameter is its own tensor (a plain PyTorch model); on gloo the pusher then sends
   each tensor as its own broadcast (SGLang's per-tensor format), which costs less than packing the
@@ -69,7 +69,7 @@ def learner_weights(model_dir: Path, layout: str) -> list[tuple[str, torch.Tenso
     """The model's parameters: each in a fresh allocation of its own, or all in one flat buffer."""
     from transformers import AutoModelForCausalLM
 
-    from streamrl.weight_sync import flatten_parameters
+    from streamrl.weight_buckets import flatten_parameters
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     params = dict(model.named_parameters())

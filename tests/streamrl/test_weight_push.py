@@ -16,7 +16,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from streamrl import weight_sync
+from streamrl import weight_buckets
 from streamrl.config import EmbeddedEngine, WeightSyncConfig
 from streamrl.errors import WeightSyncError
 from streamrl.tiny import random_model_dir
@@ -168,7 +168,7 @@ def test_after_a_push_both_engines_compute_exactly_the_learners_outputs(
     initial = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model = learner_model(model_dir, seed=11 if mode == "abort" else 12)
     if layout == "flat":
-        weight_sync.flatten_parameters(dict(model.named_parameters()))
+        weight_buckets.flatten_parameters(dict(model.named_parameters()))
     assert reference(model, PROMPTS[0]) != reference(initial, PROMPTS[0])
     long = SamplingParams(temperature=1.0, max_new_tokens=400, ignore_eos=True)
 

@@ -10,15 +10,13 @@ from typing import Any
 import pytest
 import torch
 
+from streamrl.weight_buckets import BucketPacker, flatten_parameters, stream_updates
 from streamrl.weight_sync import (
-    BucketPacker,
     bucket_layout,
     dtype_name,
-    flatten_parameters,
     pack_bucket,
     parse_dtype,
     plan_updates,
-    stream_updates,
     unpack_bucket,
 )
 from tests.conftest import free_port

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from streamrl.config import JobSpec
 from streamrl.errors import ConfigError
 from streamrl.log import get_logger
-from streamrl.weight_sync import flatten_parameters
+from streamrl.weight_buckets import flatten_parameters
 from workers.backends.base import LossFn, MicroBatch, copy_model_folder_files, step_metrics
 
 log = get_logger(__name__)

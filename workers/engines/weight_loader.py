@@ -8,7 +8,7 @@ only, as in SGLang; the trainer keeps the engine paused for the whole update and
 `weight_version` with the last call.
 
 Zero copies. At start the parameters are moved into one flat buffer per dtype, in the model's
-state-dict order, 64-byte aligned (`weight_sync.flatten_parameters`, which also keeps the engine's
+state-dict order, 64-byte aligned (`weight_buckets.flatten_parameters`, which also keeps the engine's
 numerics equal to those of a learner's copy of the same weights). A sender that sends the same
 names in the same order (any Hugging Face-named learner of this architecture) produces buckets whose
 bytes are exactly a range of that buffer, so they are received straight into the parameters: no
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from streamrl import weight_sync
+from streamrl import weight_buckets, weight_sync
 from streamrl.log import get_logger
 from workers.engines.scheduler import Scheduler
 
@@ -56,7 +56,7 @@ class WeightLoader:
         self.params = params  # Hugging Face names -> the model's parameters
         self.scheduler, self.device, self.group_timeout_s = scheduler, device, group_timeout_s
         self.groups: dict[str, dist.ProcessGroup] = {}
-        self._flats = weight_sync.flatten_parameters(params)
+        self._flats = weight_buckets.flatten_parameters(params)
         self._scratch: torch.Tensor | None = None  # reused receive buffer for buckets not in place
 
     async def init_group(self, b: dict[str, Any]) -> tuple[bool, str]:
