@@ -64,7 +64,7 @@ ENGINE_RETRY_S = 1.0
 
 
 class LearnerError(StreamrlError):
-    pass
+    """The learner cannot go on: no batches, no engine taking the weights, or a protocol mismatch."""
 
 
 def batch_stats(batch: Batch) -> dict[str, Any]:
