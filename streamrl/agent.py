@@ -2,7 +2,7 @@
 
     result = await run_math(prompt, engine, tokenizer, cfg.rollout)                 # single turn
     result = await run_rstar2(prompt, engine, tokenizer, sandbox, cfg.rollout)      # tool loop
-    traj = result.to_trajectory(sample_index, reward)
+    traj = result.to_trajectory(sample_index, reward)               # or trajectory_fields(...) for write_group
 
 `run_math` is RLinf's single-turn math rollout: `templates.math_prompt`, one assistant turn ending at
 `<|im_end|>` or `max_new_tokens`. `run_rstar2` is rStar2-Agent's multi-turn loop (roc_and_grpo.md
@@ -51,7 +51,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from streamrl import templates
 from streamrl.log import get_logger
-from streamrl.messages import FinishReason, Prompt, Trajectory, pack
+from streamrl.messages import FinishReason, Prompt, Trajectory, pack_trajectory
 from streamrl.tool_calls import (
     DEFAULT_TOOLS,
     ToolFn,
@@ -162,20 +162,24 @@ class RolloutResult:
     interrupts: int = 0  # aborted generate calls (weight updates) seen by this rollout
     tool_time_s: float = 0.0
 
+    def trajectory_fields(self, sample_index: int, reward: float) -> dict[str, Any]:
+        """The Trajectory's fields, per-token arrays still as lists (group_frame.write_group's input)."""
+        return {
+            "sample_index": sample_index,
+            "tokens": self.response_ids,
+            "loss_mask": self.loss_mask,
+            "logprobs": self.logprobs,
+            "versions": self.versions,
+            "reward": reward,
+            "finish_reason": self.finish_reason,
+            "num_turns": self.num_turns,
+            "tool_calls": self.tool_calls,
+            "tool_errors": self.tool_errors,
+            "text": self.text,
+        }
+
     def to_trajectory(self, sample_index: int, reward: float) -> Trajectory:
-        return Trajectory(
-            sample_index=sample_index,
-            tokens=pack("tokens", self.response_ids),
-            loss_mask=pack("loss_mask", self.loss_mask),
-            logprobs=pack("logprobs", self.logprobs),
-            versions=pack("versions", self.versions),
-            reward=reward,
-            finish_reason=self.finish_reason,
-            num_turns=self.num_turns,
-            tool_calls=self.tool_calls,
-            tool_errors=self.tool_errors,
-            text=self.text,
-        )
+        return pack_trajectory(self.trajectory_fields(sample_index, reward))
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ Conversation of the roles (all over the buffer's ROUTER socket, see transport.py
 
     any client  -> Hello            buffer -> Ready          (handshake, protocol check)
     generator   -> PromptRequest    buffer -> Prompts        (admission control may answer none)
-    generator   -> Group            buffer -> GroupAck       (every group is acknowledged)
+    generator   -> Group            buffer -> GroupAcks      (every group is acknowledged, acks batched)
     generator   -> PromptRelease                             (give prompts back for re-dispatch)
     learner     -> BatchRequest     buffer -> Batch | NoBatch
     learner     -> WeightsPublished                          (new policy version; marks the step trained)
@@ -20,7 +20,8 @@ Conversation of the roles (all over the buffer's ROUTER socket, see transport.py
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import msgspec
 import numpy as np
@@ -54,6 +55,11 @@ def pack(field: str, values: object) -> Array:
 def unpack(field: str, data: Array | bytes) -> np.ndarray:
     """A read-only numpy view of a bytes-array field."""
     return np.frombuffer(data, dtype=ARRAY_DTYPES[field])
+
+
+def pack_trajectory(fields: Mapping[str, Any]) -> Trajectory:
+    """A Trajectory from its fields, per-token arrays given as sequences or numpy arrays."""
+    return Trajectory(**{k: pack(k, v) if k in ARRAY_DTYPES else v for k, v in fields.items()})
 
 
 class ChatMessage(msgspec.Struct, frozen=True, gc=False):
@@ -144,10 +150,18 @@ class Group(msgspec.Struct, tag="group", kw_only=True, gc=False):
 GroupStatus = Literal["accepted", "filtered", "duplicate", "rejected"]
 
 
-class GroupAck(msgspec.Struct, tag="group_ack", kw_only=True):
+class GroupAck(msgspec.Struct, kw_only=True, array_like=True):
+    """The buffer's verdict on one Group; travels inside GroupAcks."""
+
     uid: int
     status: GroupStatus
     detail: str = ""
+
+
+class GroupAcks(msgspec.Struct, tag="group_acks", kw_only=True):
+    """Verdicts on every Group the buffer handled since it last answered this peer (see transport.py)."""
+
+    acks: list[GroupAck]
 
 
 class BatchRequest(msgspec.Struct, tag="batch_request", kw_only=True):
@@ -206,7 +220,7 @@ Message = (
     | Prompts
     | PromptRelease
     | Group
-    | GroupAck
+    | GroupAcks
     | BatchRequest
     | Batch
     | NoBatch

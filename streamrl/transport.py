@@ -7,7 +7,10 @@
 
 One frame per message: `messages.encode` out, `messages.decode` in, straight from the zmq frame buffer
 (recv copy=False). Sends are copy=False; pyzmq still copies frames under zmq.COPY_THRESHOLD (64 KiB),
-where zero-copy costs more than it saves. Clients: Client (sync), AsyncClient (asyncio), InprocClient.
+where zero-copy costs more than it saves. Clients (transport_client.py) send a Group as the
+GroupFrame its producer wrote (group_frame.py): that frame goes on the wire as it is, so sending a
+group never encodes or copies it. Clients: Client (sync), AsyncClient (asyncio), InprocClient
+(transport_inproc.py).
 
 Handshake. A client's first message is `Hello(role, name, protocol)`. The Server answers it itself with
 `Ready(protocol, policy_version)` (the owner keeps `server.policy_version` current) and records the peer
@@ -29,11 +32,20 @@ unknown or vanished peer raises PeerGone instead of dropping silently, and to a 
 retries until `send_timeout_s`, then raises TransportTimeout. Every receive takes a timeout. close()
 never blocks; queued frames get LINGER_MS to leave.
 
-Acknowledgements are the owner's protocol, not the transport's: the buffer answers each Group with a
-GroupAck, so a generator knows what arrived, keeps a bounded window of un-acked groups, and after a
-failure re-sends or releases the rest. `request` is for strictly sequential exchanges; pipelined
-senders use `send` and `recv`. An Error answering `request` or `connect` raises RemoteError (a
-TransportError), since it is never the reply asked for; `recv` returns Error messages as they are.
+Acknowledgements: the buffer gives every Group a GroupAck verdict, so a generator knows what arrived
+and after a failure re-sends or releases the rest. `Server.ack` queues a verdict; queued verdicts
+leave, one GroupAcks message per peer, once ACK_BATCH are queued, the oldest is ACK_DELAY_S (50 ms)
+old, or no message came for ACK_IDLE_S (2 ms): delayed acks, as TCP's. Why: an ack message per group
+wakes both processes and both zmq I/O threads; on bench/transport.py, acking every group held
+streamrl to 0.6-0.75 of raw pyzmq, where sending no acks at all reached 0.9-1.0. Flushing as soon as
+the server caught up was not enough: a buffer faster than its generators catches up after almost
+every group. The idle rule answers a
+burst's end (or a lone `request`) soon; 50 ms is nothing to a generator, which never waits on an ack
+to go on (only a resend does).
+
+`request` is for strictly sequential exchanges; pipelined senders use `send` and `recv`. An Error
+answering `request` or `connect` raises RemoteError (a TransportError), since it is never the reply
+asked for; `recv` returns Error messages as they are.
 """
 
 from __future__ import annotations
@@ -43,7 +55,7 @@ import math
 import time
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, Self, cast
+from typing import Any, Self
 
 import zmq
 import zmq.asyncio
@@ -53,17 +65,28 @@ from streamrl.errors import (
     DecodeError,
     FrameTooLarge,
     PeerGone,
-    RemoteError,
     TransportError,
     TransportTimeout,
 )
 from streamrl.log import get_logger
-from streamrl.messages import DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, Error, Hello, Message, Ready
+from streamrl.messages import (
+    DEFAULT_MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    Error,
+    GroupAck,
+    GroupAcks,
+    Hello,
+    Message,
+    Ready,
+)
 
 DEFAULT_HWM = 256  # messages; a 2G=32 group of 1k-token trajectories is about 420 KB
 LINGER_MS = 200
+ACK_BATCH = 128  # a peer's queued GroupAcks that leave at once
+ACK_DELAY_S = 0.05  # the longest a GroupAck waits for others to share its message
+ACK_IDLE_S = 0.002  # queued GroupAcks leave once no message came for this long
 log = get_logger(__name__)
-Buffer = bytes | memoryview
+Buffer = bytes | bytearray | memoryview
 
 
 def tune_allocator() -> bool:
@@ -86,11 +109,45 @@ def tune_allocator() -> bool:
     )
 
 
-def _ms(timeout_s: float) -> int:
+def timeout_ms(timeout_s: float) -> int:
     return max(0, math.ceil(timeout_s * 1000))
 
 
-def _socket(ctx: zmq.Context[Any], kind: int, hwm: int, max_frame_bytes: int) -> zmq.Socket[Any]:
+class Timeouts:
+    """Blocking sends and zero-copy receives bounded by SNDTIMEO/RCVTIMEO, for one socket.
+
+    Why not poll, then a non-blocking call: that builds a Poller and makes a poll system call per
+    message, and a sender ahead of its receiver raises zmq.Again at the high-water mark on every
+    send; measured, 10-20 us of CPU per 420 KB group on each side, a tenth of moving the group. The
+    option is set only when the timeout asked for changes.
+    """
+
+    def __init__(self, sock: zmq.Socket[Any]) -> None:
+        self.sock, self._recv_ms, self._send_ms = sock, -2, -2
+
+    def recv(self, timeout_s: float) -> list[zmq.Frame] | None:
+        """The next message's frames, or None after `timeout_s`."""
+        if (ms := timeout_ms(timeout_s)) != self._recv_ms:
+            self.sock.setsockopt(zmq.RCVTIMEO, ms)
+            self._recv_ms = ms
+        try:
+            return self.sock.recv_multipart(copy=False)
+        except zmq.Again:
+            return None
+
+    def send(self, frame: Buffer, timeout_s: float) -> bool:
+        """Send a one-frame message; False if the socket could not take it within `timeout_s`."""
+        if (ms := timeout_ms(timeout_s)) != self._send_ms:
+            self.sock.setsockopt(zmq.SNDTIMEO, ms)
+            self._send_ms = ms
+        try:
+            self.sock.send(frame, copy=False)
+        except zmq.Again:
+            return False
+        return True
+
+
+def make_socket(ctx: zmq.Context[Any], kind: int, hwm: int, max_frame_bytes: int) -> zmq.Socket[Any]:
     sock: zmq.Socket[Any] = ctx.socket(kind)
     # close() returns at once; zmq keeps flushing what was queued (a last GroupAck) for LINGER_MS.
     sock.setsockopt(zmq.LINGER, LINGER_MS)
@@ -119,7 +176,7 @@ class Server:
         on_hello: Callable[[str, Hello], None] | None = None,
     ) -> None:
         self._setup(name, max_frame_bytes, policy_version, send_timeout_s, on_hello)
-        self._sock = _socket(zmq.Context.instance(), zmq.ROUTER, hwm, max_frame_bytes)
+        self._sock = make_socket(zmq.Context.instance(), zmq.ROUTER, hwm, max_frame_bytes)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unroutable -> EHOSTUNREACH, not a silent drop
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted client under the same name takes over
         try:
@@ -128,6 +185,7 @@ class Server:
             self._sock.close()
             raise TransportError(f"cannot bind {address}: {e}") from e
         self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)  # the resolved port for ':*'
+        self._io = Timeouts(self._sock)
 
     def _setup(
         self,
@@ -142,16 +200,54 @@ class Server:
         self.on_hello = on_hello
         self.peers: dict[str, str] = {}
         self.stats: Counter[str] = Counter()
+        self._acks: dict[str, list[GroupAck]] = {}  # queued verdicts per peer, oldest first
+        self._acks_due = 0.0  # when the oldest queued verdict must leave
 
     def recv(self, timeout_s: float) -> tuple[str, Message] | None:
-        """The next delivered (peer, message), or None after `timeout_s`. Never raises for bad input."""
+        """The next delivered (peer, message), or None after `timeout_s`. Never raises for bad input.
+
+        Sends queued acks when due (see the module docstring), waking up for that if need be.
+        """
         deadline = time.monotonic() + timeout_s
-        while (raw := self._recv_raw(max(0.0, deadline - time.monotonic()))) is not None:
-            if (got := self._admit(*raw)) is not None:
+        while True:
+            now = time.monotonic()
+            if self._acks and now >= self._acks_due:
+                self.flush_acks()
+            wake = min(deadline, self._acks_due, now + ACK_IDLE_S) if self._acks else deadline
+            raw = self._recv_raw(max(0.0, wake - now))
+            if raw is None and self._acks:
+                self.flush_acks()  # the peers went quiet: nothing else will share these acks soon
+            elif raw is not None and (got := self._admit(*raw)) is not None:
                 return got
             if time.monotonic() >= deadline:  # a flood of rejected frames must not hold the loop here
-                break
-        return None
+                return None
+
+    def ack(self, peer: str, ack: GroupAck) -> None:
+        """Queue a Group's verdict for `peer`; see the module docstring for when it leaves."""
+        if not self._acks:
+            self._acks_due = time.monotonic() + ACK_DELAY_S
+        queued = self._acks.setdefault(peer, [])
+        queued.append(ack)
+        if len(queued) >= ACK_BATCH:
+            self._flush_acks(peer, self.send_timeout_s)
+
+    def flush_acks(self, timeout_s: float | None = None) -> None:
+        """Send every queued ack now. Acks a peer cannot take are logged and counted, not raised:
+        the peer resends those groups and gets them acknowledged as duplicates."""
+        for peer in list(self._acks):
+            self._flush_acks(peer, self.send_timeout_s if timeout_s is None else timeout_s)
+
+    def _flush_acks(self, peer: str, timeout_s: float) -> None:
+        acks = self._acks.pop(peer)
+        try:
+            self._send_raw(peer.encode(), messages.encode(GroupAcks(acks=acks)), timeout_s)
+            self.stats["sent"] += 1
+        except TransportError as e:
+            if isinstance(e, PeerGone):
+                self.peers.pop(peer, None)
+            self.stats["acks_lost"] += len(acks)
+            uids = [a.uid for a in acks]
+            log.warning("acks_lost", server=self.name, peer=peer, uids=uids, error=str(e))
 
     def send(self, peer: str, msg: Message) -> None:
         """Send to a peer; PeerGone if it is unknown or gone, TransportTimeout if it stays full."""
@@ -163,6 +259,7 @@ class Server:
         self.stats["sent"] += 1
 
     def close(self) -> None:
+        self.flush_acks(0.0)  # best effort, never blocking: close() returns at once
         self._sock.close()
 
     def __enter__(self) -> Self:
@@ -228,12 +325,12 @@ class Server:
             log.warning("reply_failed", server=self.name, peer=peer, reply=type(msg).__name__, error=str(e))
 
     def _recv_raw(self, timeout_s: float) -> tuple[bytes, list[Buffer]] | None:
-        if not self._sock.poll(_ms(timeout_s), zmq.POLLIN):
+        if (got := self._io.recv(timeout_s)) is None:
             return None
-        ident, *frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        ident, *frames = got
         return ident.bytes, [f.buffer for f in frames]  # views into zmq's buffers: decoded without a copy
 
-    def _send_raw(self, ident: bytes, data: bytes, timeout_s: float) -> None:
+    def _send_raw(self, ident: bytes, data: Buffer, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -248,171 +345,3 @@ class Server:
                 if e.errno == zmq.EHOSTUNREACH:
                     raise PeerGone(f"{self.address}: no peer {ident!r}") from None
                 raise TransportError(f"{self.address}: send to {ident!r}: {e}") from e
-
-
-class _ClientBase:
-    """What Client, AsyncClient and InprocClient share: identity, socket set-up, reply rules."""
-
-    def _setup(self, address: str, role: str, name: str, max_frame_bytes: int, send_timeout_s: float) -> None:
-        self.address, self.role, self.name = address, role, name
-        self.max_frame_bytes, self.send_timeout_s = max_frame_bytes, send_timeout_s
-        self.ready: Ready | None = None  # the server's Ready from the last connect
-
-    def _dealer(self, ctx: zmq.Context[Any], hwm: int) -> zmq.Socket[Any]:
-        sock = _socket(ctx, zmq.DEALER, hwm, self.max_frame_bytes)
-        sock.setsockopt(zmq.ROUTING_ID, self.name.encode())
-        # IMMEDIATE: while the buffer is unreachable, send waits (bounded) instead of queueing silently.
-        sock.setsockopt(zmq.IMMEDIATE, 1)
-        sock.connect(self.address)
-        return sock
-
-    def _send_blocked(self, timeout_s: float) -> TransportTimeout:
-        why = "server unreachable or high-water mark reached"
-        return TransportTimeout(f"send to {self.address} blocked for {timeout_s}s ({why})")
-
-    def _hello(self) -> bytes:
-        return messages.encode(Hello(role=self.role, name=self.name, protocol=PROTOCOL_VERSION))
-
-    def _no_server(self, timeout_s: float) -> TransportTimeout:
-        return TransportTimeout(f"connect to {self.address}: no server reachable within {timeout_s}s")
-
-    def _decode(self, frame: Buffer | None) -> Message | None:
-        return None if frame is None else messages.decode(frame, self.max_frame_bytes)
-
-    def _check_reply(self, asked: str, reply: Message | None, timeout_s: float) -> Message:
-        if reply is None:
-            raise TransportTimeout(f"no reply to {asked} from {self.address} within {timeout_s}s")
-        if isinstance(reply, Error):
-            raise RemoteError(reply.code, reply.detail, self.address)
-        return reply
-
-    def _check_ready(self, reply: Message | None, timeout_s: float) -> Ready:
-        reply = self._check_reply("Hello", reply, timeout_s)
-        if not isinstance(reply, Ready):
-            raise TransportError(f"{self.address} answered Hello with {type(reply).__name__}, not Ready")
-        self.ready = reply
-        return reply
-
-
-class Client(_ClientBase):
-    """A DEALER connected to the buffer, routing id = `name`. Not thread-safe: one thread uses it."""
-
-    def __init__(
-        self,
-        address: str,
-        *,
-        role: str,
-        name: str,
-        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-        hwm: int = DEFAULT_HWM,
-        send_timeout_s: float = 5.0,
-    ) -> None:
-        self._setup(address, role, name, max_frame_bytes, send_timeout_s)
-        self._sock = self._dealer(zmq.Context.instance(), hwm)
-
-    def connect(self, timeout_s: float) -> Ready:
-        """Hello/Ready handshake; TransportTimeout if no Ready within `timeout_s`, RemoteError if refused."""
-        deadline = time.monotonic() + timeout_s
-        try:
-            self._send_raw(self._hello(), timeout_s)
-        except TransportTimeout:
-            raise self._no_server(timeout_s) from None
-        return self._check_ready(self.recv(max(0.0, deadline - time.monotonic())), timeout_s)
-
-    def send(self, msg: Message) -> None:
-        self._send_raw(messages.encode(msg), self.send_timeout_s)
-
-    def recv(self, timeout_s: float) -> Message | None:
-        """The next message from the server (Error included), or None after `timeout_s`."""
-        return self._decode(self._recv_raw(timeout_s))
-
-    def request(self, msg: Message, timeout_s: float) -> Message:
-        """Send `msg` and return the next reply; TransportTimeout, or RemoteError for an Error reply."""
-        self.send(msg)
-        return self._check_reply(type(msg).__name__, self.recv(timeout_s), timeout_s)
-
-    def close(self) -> None:
-        self._sock.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def _send_raw(self, data: bytes, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                self._sock.send(data, zmq.NOBLOCK, copy=False)
-                return
-            except zmq.Again:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0 or not self._sock.poll(_ms(remaining), zmq.POLLOUT):
-                    raise self._send_blocked(timeout_s) from None
-
-    def _recv_raw(self, timeout_s: float) -> Buffer | None:
-        if not self._sock.poll(_ms(timeout_s), zmq.POLLIN):
-            return None
-        return self._sock.recv(zmq.NOBLOCK, copy=False).buffer
-
-
-class AsyncClient(_ClientBase):
-    """Client for asyncio code (zmq.asyncio): the same methods, awaitable; close() is plain."""
-
-    def __init__(
-        self,
-        address: str,
-        *,
-        role: str,
-        name: str,
-        max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
-        hwm: int = DEFAULT_HWM,
-        send_timeout_s: float = 5.0,
-    ) -> None:
-        self._setup(address, role, name, max_frame_bytes, send_timeout_s)
-        self._sock = cast(zmq.asyncio.Socket, self._dealer(zmq.asyncio.Context.instance(), hwm))
-
-    async def connect(self, timeout_s: float) -> Ready:
-        deadline = time.monotonic() + timeout_s
-        try:
-            await self._send_raw(self._hello(), timeout_s)
-        except TransportTimeout:
-            raise self._no_server(timeout_s) from None
-        return self._check_ready(await self.recv(max(0.0, deadline - time.monotonic())), timeout_s)
-
-    async def send(self, msg: Message) -> None:
-        await self._send_raw(messages.encode(msg), self.send_timeout_s)
-
-    async def recv(self, timeout_s: float) -> Message | None:
-        return self._decode(await self._recv_raw(timeout_s))
-
-    async def request(self, msg: Message, timeout_s: float) -> Message:
-        await self.send(msg)
-        return self._check_reply(type(msg).__name__, await self.recv(timeout_s), timeout_s)
-
-    def close(self) -> None:
-        self._sock.close()
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.close()
-
-    async def _send_raw(self, data: bytes, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                await self._sock.send(data, zmq.NOBLOCK, copy=False)
-                return
-            except zmq.Again:
-                remaining = deadline - time.monotonic()
-                # pyzmq 27's type hints for the asyncio poll lack `flags`; the method takes it.
-                if remaining <= 0 or not await self._sock.poll(_ms(remaining), zmq.POLLOUT):  # type: ignore[call-arg]
-                    raise self._send_blocked(timeout_s) from None
-
-    async def _recv_raw(self, timeout_s: float) -> Buffer | None:
-        if not await self._sock.poll(_ms(timeout_s), zmq.POLLIN):  # type: ignore[call-arg]
-            return None
-        return (await self._sock.recv(zmq.NOBLOCK, copy=False)).buffer

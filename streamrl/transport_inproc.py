@@ -1,6 +1,6 @@
 """The in-process twin of the ZeroMQ transport, for tests of role loops without sockets.
 
-Same interface and rules as `transport.Server`/`transport.Client` (handshake, rejection of bad
+Same interface and rules as `transport.Server`/`transport_client.Client` (handshake, rejection of bad
 frames, bounded waits): only the byte-moving methods differ.
 """
 
@@ -13,7 +13,8 @@ from typing import Any
 
 from streamrl.errors import PeerGone, TransportTimeout
 from streamrl.messages import DEFAULT_MAX_FRAME_BYTES, Hello
-from streamrl.transport import DEFAULT_HWM, Buffer, Client, Server
+from streamrl.transport import DEFAULT_HWM, Buffer, Server
+from streamrl.transport_client import Client
 
 
 class InprocHub:
@@ -27,7 +28,7 @@ class InprocHub:
     def __init__(self, *, hwm: int = DEFAULT_HWM) -> None:
         self.hwm, self.address = hwm, f"inproc-hub:{id(self):x}"
         self._inbox: queue.Queue[tuple[bytes, list[Buffer]]] = queue.Queue(hwm)
-        self._clients: dict[bytes, queue.Queue[bytes]] = {}
+        self._clients: dict[bytes, queue.Queue[Buffer]] = {}
         self._lock = threading.Lock()
 
     def server(self, **kwargs: Any) -> InprocServer:
@@ -65,7 +66,7 @@ class InprocServer(Server):
         except queue.Empty:
             return None
 
-    def _send_raw(self, ident: bytes, data: bytes, timeout_s: float) -> None:
+    def _send_raw(self, ident: bytes, data: Buffer, timeout_s: float) -> None:
         with self.hub._lock:
             q = self.hub._clients.get(ident)
         if q is None:
@@ -85,7 +86,7 @@ class InprocClient(Client):
     ) -> None:
         self._setup(hub.address, role, name, max_frame_bytes, send_timeout_s)
         self.hub, self._ident = hub, name.encode()
-        self._inbox: queue.Queue[bytes] = queue.Queue(hub.hwm)
+        self._inbox: queue.Queue[Buffer] = queue.Queue(hub.hwm)
         with hub._lock:
             hub._clients[self._ident] = self._inbox  # the newest client of a name wins, as ROUTER_HANDOVER
 
@@ -98,7 +99,7 @@ class InprocClient(Client):
         """Test hook: put raw frames on the wire, as a raw zmq DEALER would."""
         self.hub._put(self.hub._inbox, (self._ident, frames), self.send_timeout_s, f"{self.name} -> server")
 
-    def _send_raw(self, data: bytes, timeout_s: float) -> None:
+    def _send_raw(self, data: Buffer, timeout_s: float) -> None:
         self.hub._put(self.hub._inbox, (self._ident, [data]), timeout_s, f"{self.name} -> server")
 
     def _recv_raw(self, timeout_s: float) -> Buffer | None:

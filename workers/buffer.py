@@ -29,6 +29,7 @@ from streamrl.messages import (
     BatchRequest,
     Error,
     Group,
+    GroupAck,
     Heartbeat,
     Hello,
     Message,
@@ -64,7 +65,7 @@ class BufferRole:
             logger.warning("generator_restarted", peer=peer, redispatched=n)
         self.last_seen[peer] = time.monotonic()
 
-    def handle(self, peer: str, msg: Message) -> Message | None:
+    def handle(self, peer: str, msg: Message) -> Message | GroupAck | None:
         b = self.buffer
         match msg:
             case PromptRequest(max_prompts=k):
@@ -130,7 +131,9 @@ class BufferRole:
                 except Exception as e:  # a bug must not take the buffer down: answer and log it
                     logger.exception("handler_failed", peer=peer, message=type(msg).__name__)
                     reply = Error(code="internal", detail=f"{type(e).__name__}: {e}")
-                if reply is not None:
+                if isinstance(reply, GroupAck):
+                    self.server.ack(peer, reply)  # batched: sent once this loop catches up
+                elif reply is not None:
                     try:
                         self.server.send(peer, reply)
                     except (PeerGone, TransportTimeout) as e:

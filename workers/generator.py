@@ -5,7 +5,7 @@
 
         buffer ──Prompts──▶ group task per prompt ──n_samples──▶ agent loop ──HTTP──▶ engines
            ▲                      │                                   └──────────▶ sandbox (tool calls)
-           └──Group / GroupAck────┴── reward pool (processes, timeouts) ◀── RolloutResult
+           └──Group / GroupAcks───┴── reward pool (processes, timeouts) ◀── RolloutResult
 
 Flow control: at most `rollout.concurrency` trajectories run at once; the generator asks for
 `free // n_samples` prompts and the buffer's admission rule may answer with fewer (or none, with a
@@ -31,19 +31,20 @@ from streamrl.agent import RolloutResult, run_math, run_rstar2
 from streamrl.config import JobSpec
 from streamrl.config_load import load_job_or_exit
 from streamrl.errors import TransportError
+from streamrl.group_frame import GroupFrame, write_group
 from streamrl.messages import (
-    Group,
     GroupAck,
+    GroupAcks,
     Heartbeat,
     Message,
     Prompt,
     PromptRelease,
     PromptRequest,
     Prompts,
-    pack,
 )
 from streamrl.metrics import MetricsWriter, RolloutMeter, TimedSandbox
-from streamrl.transport import AsyncClient, tune_allocator
+from streamrl.transport import tune_allocator
+from streamrl.transport_client import AsyncClient
 from workers.engines.client import EngineClient, EngineError
 from workers.reward import RewardPool
 
@@ -129,8 +130,10 @@ class GeneratorRole:
                     continue
                 case Prompts() if self._prompts is not None and not self._prompts.done():
                     self._prompts.set_result(msg)
-                case GroupAck(uid=uid) if uid in self._acks:
-                    self._acks.pop(uid).set_result(msg)
+                case GroupAcks(acks=acks):
+                    for ack in acks:
+                        if (fut := self._acks.pop(ack.uid, None)) is not None and not fut.done():
+                            fut.set_result(ack)
                 case _:
                     logger.warning("unexpected_reply", message=msg)
 
@@ -143,7 +146,7 @@ class GeneratorRole:
             logger.warning("prompt_request_unanswered", waited_s=ACK_TIMEOUT_S)
             return None
 
-    async def _send_group(self, group: Group) -> GroupAck | None:
+    async def _send_group(self, group: GroupFrame) -> GroupAck | None:
         for attempt in range(SEND_ATTEMPTS):
             fut = asyncio.get_running_loop().create_future()
             self._acks[group.uid] = fut
@@ -196,14 +199,13 @@ class GeneratorRole:
             return
         finally:
             self.free += self.n
-        prompt_ids = done[0][0].prompt_ids
-        group = Group(
+        group = write_group(  # the group's wire frame, written once straight from the token lists
+            [r.trajectory_fields(i, reward) for i, (r, reward) in enumerate(done)],
             uid=prompt.uid,
             prompt_id=prompt.prompt_id,
             admitted_version=prompt.admitted_version,
             generator=self.client.name,
-            prompt_tokens=pack("prompt_tokens", prompt_ids),
-            trajectories=[r.to_trajectory(i, reward) for i, (r, reward) in enumerate(done)],
+            prompt_tokens=done[0][0].prompt_ids,
             gen_time_s=time.monotonic() - t0,
         )
         ack = await self._send_group(group)

@@ -54,7 +54,7 @@ from streamrl.messages import (
     encode,
     unpack,
 )
-from streamrl.transport import Client
+from streamrl.transport_client import Client
 from workers.engines.client import EngineError
 
 logger = log.get_logger("workers.learner")

@@ -20,11 +20,17 @@ import zmq
 
 from streamrl import messages as m
 from streamrl.errors import PeerGone, RemoteError, TransportTimeout
-from streamrl.transport import AsyncClient, Client, Server
+from streamrl.group_frame import frames_of
+from streamrl.transport import ACK_BATCH, Server
+from streamrl.transport_client import AsyncClient, Client
 from streamrl.transport_inproc import InprocClient, InprocHub
 from tests.streamrl.test_messages import make_group
 
 KINDS = ["ipc", "tcp", "inproc"]
+
+
+def acked(*uids: int) -> m.GroupAcks:
+    return m.GroupAcks(acks=[m.GroupAck(uid=uid, status="accepted") for uid in uids])
 
 
 class Net:
@@ -109,7 +115,7 @@ def serving(server: Server) -> Iterator[list[tuple[str, m.Message]]]:
                 got.append(item)
                 peer, msg = item
                 if isinstance(msg, m.Group):
-                    server.send(peer, m.GroupAck(uid=msg.uid, status="accepted"))
+                    server.ack(peer, m.GroupAck(uid=msg.uid, status="accepted"))
                 elif isinstance(msg, m.BatchRequest):
                     groups = [g for _, g in got if isinstance(g, m.Group)]
                     advantages = [m.pack("advantages", np.ones(len(g.trajectories))) for g in groups]
@@ -139,7 +145,7 @@ def test_handshake_then_a_group_and_a_batch_round_trip_with_every_token_array_in
     with serving(server) as got:
         ready = client.connect(2.0)
         assert ready == m.Ready(protocol=m.PROTOCOL_VERSION, policy_version=7) == client.ready
-        assert client.request(group, 2.0) == m.GroupAck(uid=1, status="accepted")
+        assert client.request(group, 2.0) == acked(1)
         batch = client.request(m.BatchRequest(step=0), 2.0)
     assert got[0] == ("gen0", group)
     assert isinstance(batch, m.Batch) and batch.groups == [group]
@@ -187,7 +193,7 @@ def test_a_malformed_frame_gets_an_error_and_the_server_keeps_serving_the_next_c
         assert isinstance(multipart, m.Error) and "2 frames" in multipart.detail
         client = net.client("gen1")
         client.connect(2.0)
-        assert client.request(make_group(uid=9), 2.0) == m.GroupAck(uid=9, status="accepted")
+        assert client.request(make_group(uid=9), 2.0) == acked(9)
     assert [peer for peer, _ in got] == ["gen1"]
     assert server.stats["rejected_bad_frame"] == 2
 
@@ -205,7 +211,7 @@ def test_a_valid_message_with_extra_frames_is_refused_whole_and_never_delivered(
             reply = client.recv(2.0)
             assert isinstance(reply, m.Error) and reply.code == "bad_frame"
             assert f"{len(frames)} frames in one message, expected 1" in reply.detail
-        assert client.request(make_group(uid=6), 2.0) == m.GroupAck(uid=6, status="accepted")
+        assert client.request(make_group(uid=6), 2.0) == acked(6)
     assert [msg.uid for _, msg in got if isinstance(msg, m.Group)] == [6]
     assert server.stats["rejected_bad_frame"] == 3
 
@@ -227,7 +233,7 @@ def test_an_oversized_frame_is_rejected_and_the_sender_can_go_on(net: Net) -> No
         with pytest.raises(RemoteError) as err:
             client.request(big, 2.0)
         assert err.value.code == "frame_too_large" and "exceeds the limit of 4000 bytes" in err.value.detail
-        assert client.request(make_group(uid=3, n=1, tokens=10), 2.0) == m.GroupAck(uid=3, status="accepted")
+        assert client.request(make_group(uid=3, n=1, tokens=10), 2.0) == acked(3)
     assert [msg.uid for _, msg in got if isinstance(msg, m.Group)] == [3]
     assert server.stats["rejected_frame_too_large"] == 1
 
@@ -308,14 +314,41 @@ def test_sending_to_an_unknown_or_departed_peer_raises_peer_gone(net: Net) -> No
     with serving(server):
         client.connect(2.0)
     with pytest.raises(PeerGone):
-        server.send("nobody", m.GroupAck(uid=1, status="accepted"))
+        server.send("nobody", m.Heartbeat(sent_at=1.0))
     client.close()
     deadline = time.monotonic() + 3.0  # zmq notices the closed connection asynchronously
     with pytest.raises(PeerGone):
         while time.monotonic() < deadline:
-            server.send("gen0", m.GroupAck(uid=1, status="accepted"))
+            server.send("gen0", m.Heartbeat(sent_at=1.0))
             time.sleep(0.01)
     assert "gen0" not in server.peers
+
+
+def test_acks_for_a_departed_peer_are_counted_as_lost_not_raised(net: Net) -> None:
+    server = net.server()
+    server.ack("nobody", m.GroupAck(uid=1, status="accepted"))
+    server.ack("nobody", m.GroupAck(uid=2, status="duplicate"))
+    assert server.recv(0.01) is None  # flushes before waiting: must not raise
+    assert server.stats["acks_lost"] == 2
+
+
+def test_acks_of_a_backlog_are_batched_and_every_group_is_acked_once_in_order(net: Net) -> None:
+    server, client = net.server(), net.client("gen0")
+    n = ACK_BATCH + 10  # under the high-water marks
+    frames = frames_of(make_group(uid=uid, n=2, tokens=50) for uid in range(n))
+    with serving(server):
+        client.connect(2.0)
+    for frame in frames:  # the server is not reading: all queue up
+        client.send(frame)
+    time.sleep(0.2)
+    with serving(server) as got:
+        replies = [client.recv(2.0) for _ in range(2)]
+        more = client.recv(0.3)
+    assert all(isinstance(r, m.GroupAcks) for r in replies) and more is None
+    batches = [[a.uid for a in r.acks] for r in replies if isinstance(r, m.GroupAcks)]
+    assert batches == [list(range(ACK_BATCH)), list(range(ACK_BATCH, n))]
+    assert [msg.uid for _, msg in got if isinstance(msg, m.Group)] == list(range(n))
+    assert got[7][1] == make_group(uid=7, n=2, tokens=50)  # a GroupFrame decodes to the Group it encodes
 
 
 def test_a_client_send_at_the_high_water_mark_times_out_within_the_bound(net: Net) -> None:
@@ -344,7 +377,7 @@ def test_the_async_client_does_the_handshake_requests_and_bounded_receives(
     async def main(address: str) -> None:
         async with AsyncClient(address, role="learner", name="learner0") as client:
             assert (await client.connect(2.0)).protocol == m.PROTOCOL_VERSION
-            assert await client.request(group, 2.0) == m.GroupAck(uid=5, status="accepted")
+            assert await client.request(group, 2.0) == acked(5)
             for i in range(50):
                 await client.send(m.Heartbeat(sent_at=float(i)))
             assert [await client.recv(2.0) for _ in range(50)] == [

@@ -14,7 +14,7 @@ import zmq
 
 from streamrl import messages as m
 from streamrl.errors import RemoteError
-from streamrl.transport import Client
+from streamrl.transport_client import Client
 from streamrl.transport_inproc import InprocHub
 from tests.streamrl.test_buffer import MIXED, make_buffer, make_group
 from workers.buffer import BufferRole
@@ -52,9 +52,9 @@ def generate(gen: Client, k: int) -> list[m.GroupAck]:
     assert isinstance(reply, m.Prompts)
     acks = []
     for p in reply.prompts:
-        ack = gen.request(make_group(p, MIXED, generator=gen.name), timeout_s=5)
-        assert isinstance(ack, m.GroupAck)
-        acks.append(ack)
+        reply = gen.request(make_group(p, MIXED, generator=gen.name), timeout_s=5)
+        assert isinstance(reply, m.GroupAcks) and [a.uid for a in reply.acks] == [p.uid]
+        acks += reply.acks
     return acks
 
 
@@ -127,11 +127,14 @@ def test_malformed_frames_get_clear_errors_while_the_buffer_keeps_serving(tmp_pa
             prompts = gen.request(m.PromptRequest(max_prompts=1), timeout_s=5).prompts
             bad = make_group(prompts[0], MIXED)
             bad.trajectories[0].logprobs = b"\x00\x01"
-            ack = gen.request(bad, timeout_s=5)
+            reply = gen.request(bad, timeout_s=5)
+            assert isinstance(reply, m.GroupAcks) and len(reply.acks) == 1
+            ack = reply.acks[0]
             assert ack.status == "rejected" and "trajectories[0].logprobs" in ack.detail
             again = gen.request(m.PromptRequest(max_prompts=1), timeout_s=5).prompts
             assert [p.uid for p in again] == [prompts[0].uid]
-            assert gen.request(make_group(again[0], MIXED), timeout_s=5).status == "accepted"
+            reply = gen.request(make_group(again[0], MIXED), timeout_s=5)
+            assert reply == m.GroupAcks(acks=[m.GroupAck(uid=again[0].uid, status="accepted")])
         assert proc.poll() is None
     finally:
         assert stop(proc) == 0

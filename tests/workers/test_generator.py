@@ -31,7 +31,7 @@ from streamrl.config_load import load_job
 from streamrl.rewards import final_answer_text
 from streamrl.tiny import random_model_dir
 from streamrl.tool_calls import TRUNCATION_MARK
-from streamrl.transport import Client
+from streamrl.transport_client import Client
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "configs/tiny-arith.yaml"

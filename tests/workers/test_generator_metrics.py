@@ -18,7 +18,18 @@ import pytest
 from streamrl import templates
 from streamrl.agent import as_codec
 from streamrl.config_load import load_job
-from streamrl.messages import Group, GroupAck, Message, Prompt, PromptRequest, Prompts, unpack
+from streamrl.group_frame import GroupFrame
+from streamrl.messages import (
+    Group,
+    GroupAck,
+    GroupAcks,
+    Message,
+    Prompt,
+    PromptRequest,
+    Prompts,
+    decode,
+    unpack,
+)
 from streamrl.metrics import MetricsWriter, read_metrics
 from streamrl.tiny import VOCAB_SIZE, make_tokenizer
 from streamrl.tiny_data import tokenizer_corpus
@@ -55,14 +66,16 @@ class FakeBuffer:
         self.groups: list[Group] = []
         self.replies: asyncio.Queue[Message] = asyncio.Queue()
 
-    async def send(self, msg: Message) -> None:
+    async def send(self, msg: Message | GroupFrame) -> None:
         match msg:
             case PromptRequest(max_prompts=k):
                 give, self.todo = self.todo[:k], self.todo[k:]
                 self.replies.put_nowait(Prompts(prompts=give, policy_version=0, retry_after_s=0.05))
-            case Group(uid=uid):
-                self.groups.append(msg)
-                self.replies.put_nowait(GroupAck(uid=uid, status="accepted"))
+            case GroupFrame(uid=uid, data=data):
+                group = decode(data)
+                assert isinstance(group, Group)
+                self.groups.append(group)
+                self.replies.put_nowait(GroupAcks(acks=[GroupAck(uid=uid, status="accepted")]))
 
     async def recv(self, timeout: float | None = None) -> Message | None:
         try:
