@@ -7,6 +7,8 @@ two copies of every token and, for a 2G=32 group of 1k-token rollouts, a cold 42
 time that costs as much as moving the frame to the buffer process. `write_group` instead sizes the
 frame exactly, allocates it once and converts each list straight into its place in the frame; the
 transport then sends that frame zero-copy, as often as a resend needs, never encoding it again.
+(Sending each array as its own zero-copy frame instead was measured: 129 frames of 1-4 KB move about
+15x slower than one frame of the same bytes.)
 
 The frame is the MessagePack that `messages.encode` produces for the same Group, byte for byte
 (tests/streamrl/test_group_frame.py checks it), so receivers decode it with `messages.decode` as any
