@@ -2,7 +2,7 @@
 
     result = await run_math(prompt, engine, tokenizer, cfg.rollout)                 # single turn
     result = await run_rstar2(prompt, engine, tokenizer, sandbox, cfg.rollout)      # tool loop
-    traj = result.to_trajectory(sample_index, reward)               # or trajectory_fields(...) for write_group
+    traj = result.to_trajectory(sample_index, reward)         # trajectory_fields() feeds write_group
 
 `run_math` is RLinf's single-turn math rollout: `templates.math_prompt`, one assistant turn ending at
 `<|im_end|>` or `max_new_tokens`. `run_rstar2` is rStar2-Agent's multi-turn loop (roc_and_grpo.md

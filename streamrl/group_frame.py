@@ -64,11 +64,17 @@ _TRAJECTORY = _fields(Trajectory)
 _GROUP_CONFIG = Group.__struct_config__
 _TRAJECTORY_CONFIG = Trajectory.__struct_config__
 # Layout assumptions, checked once at import: a schema change that breaks them fails here, loudly.
-assert _GROUP_CONFIG.tag_field is not None and not _GROUP_CONFIG.array_like, "Group must be a tagged map"
-assert _TRAJECTORY_CONFIG.array_like and _TRAJECTORY_CONFIG.tag is None, (
-    "Trajectory must be an untagged array"
-)
-assert [f.name for f in msgspec.structs.fields(Group)][-2:] == ["trajectories", "gen_time_s"]
+if not (
+    _GROUP_CONFIG.tag_field is not None
+    and not _GROUP_CONFIG.array_like
+    and _TRAJECTORY_CONFIG.array_like
+    and _TRAJECTORY_CONFIG.tag is None
+    and [f.name for f in msgspec.structs.fields(Group)][-2:] == ["trajectories", "gen_time_s"]
+):
+    raise ImportError(
+        "group_frame.py writes Group as a tagged map ending in trajectories, gen_time_s and "
+        "Trajectory as an untagged array; messages.py changed that layout: update the writer"
+    )
 _GROUP_TAG = _encode(_GROUP_CONFIG.tag_field) + _encode(_GROUP_CONFIG.tag)
 _TRAJECTORIES_KEY = _encode("trajectories")
 
@@ -164,8 +170,10 @@ def write_group(trajectories: Sequence[Mapping[str, Any]], **head: Any) -> Group
 
 def frames_of(groups: Iterable[Group]) -> list[GroupFrame]:
     """GroupFrames of already-built Groups (tests and benchmarks; producers call write_group)."""
-    return [write_group([msgspec.structs.asdict(t) for t in g.trajectories], **_head(g)) for g in groups]
-
-
-def _head(group: Group) -> dict[str, Any]:
-    return {f.name: getattr(group, f.name) for f in _GROUP}
+    return [
+        write_group(
+            [msgspec.structs.asdict(t) for t in g.trajectories],
+            **{f.name: getattr(g, f.name) for f in _GROUP},
+        )
+        for g in groups
+    ]

@@ -132,7 +132,7 @@ class BufferRole:
                     logger.exception("handler_failed", peer=peer, message=type(msg).__name__)
                     reply = Error(code="internal", detail=f"{type(e).__name__}: {e}")
                 if isinstance(reply, GroupAck):
-                    self.server.ack(peer, reply)  # batched: sent once this loop catches up
+                    self.server.ack(peer, reply)  # verdicts leave batched (transport.py)
                 elif reply is not None:
                     try:
                         self.server.send(peer, reply)
