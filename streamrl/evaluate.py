@@ -4,7 +4,8 @@ The learner calls `evaluate` right after a weight push (so the engines hold exac
 that step), with the same agent loop and grader as training, on the first `eval.max_prompts` items
 of `data.eval`. Accuracy counts a sample as correct when its reward is positive (all graders give
 0 or less for wrong answers: math-verify 0, RLinf -5). Engines are shared with the generators; the
-evaluation requests simply queue with theirs.
+evaluation requests simply queue with theirs. `Evaluator` holds rank 0's evaluation resources
+(tokenizer, grader pool, sandbox, one event loop) for the whole run.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -125,3 +127,46 @@ async def evaluate(
         tool_calls_mean=sum(tool_calls) / max(1, len(tool_calls)),
         seconds=time.monotonic() - t0,
     )
+
+
+class Evaluator:
+    """Rank 0's evaluation resources, kept for the whole run on one event loop."""
+
+    def __init__(self, spec: JobSpec, engine_urls: list[str], model_dir: Path) -> None:
+        from transformers import AutoTokenizer  # heavy: only the process that evaluates pays for it
+
+        from workers.reward import RewardPool
+
+        self.spec, self.urls = spec, engine_urls
+        self.prompts = eval_prompts(spec)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.runner = asyncio.Runner()
+        self.rewards = RewardPool.from_config(spec.reward)
+        self.sandbox = None
+        if spec.rollout.agent == "rstar2_tool":
+            from sandbox_bridge.client import make_sandbox
+
+            self.sandbox = make_sandbox(spec.sandbox)
+
+    def __call__(self) -> dict[str, float]:
+        coro = evaluate(self.spec, self.prompts, self.urls, self.tokenizer, self.rewards, self.sandbox)
+        try:
+            return self.runner.run(coro).metrics()
+        except Exception:
+            self.runner.run(_cancel_pending())
+            raise
+
+    def close(self) -> None:
+        if self.sandbox is not None:
+            self.runner.run(self.sandbox.close())
+        self.runner.close()
+        self.rewards.close()
+
+
+async def _cancel_pending() -> None:
+    """End the rollouts a failed evaluation left running (gather does not cancel the others when
+    one fails), now rather than whenever the next evaluation runs the loop again."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

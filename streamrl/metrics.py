@@ -19,7 +19,8 @@ such as jq do not), because a NaN loss is worth seeing. TensorBoard gets numeric
 per role and process: `tb/<role>` or `tb/<role>/<name>`.
 
 The generator side: `RolloutMeter` counts what the generator's records report, and `TimedSandbox`
-wraps a sandbox to time each call the tool path makes.
+wraps a sandbox to time each call the tool path makes. The learner side: `batch_stats` says what a
+batch reports about the rollouts in it.
 """
 
 from __future__ import annotations
@@ -33,12 +34,15 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from streamrl.log import get_logger
+from streamrl.messages import Batch, unpack
 
 if TYPE_CHECKING:
     from streamrl.agent import RolloutResult
 
-__all__ = ["MetricsWriter", "RolloutMeter", "TimedSandbox", "read_metrics", "run_started_at"]
+__all__ = ["MetricsWriter", "RolloutMeter", "TimedSandbox", "batch_stats", "read_metrics", "run_started_at"]
 
 log = get_logger(__name__)
 LEARNER_ROLES = ("learner", "eval")  # written by the learner process into metrics.jsonl
@@ -314,3 +318,34 @@ class TimedSandbox:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+def batch_stats(batch: Batch) -> dict[str, Any]:
+    """What the batch says about the rollouts that produced it (reward, length, staleness, tools)."""
+    trajs = [t for g in batch.groups for t in g.trajectories]
+    rewards = np.array([t.reward for t in trajs], dtype=np.float64)
+    lengths = np.array([t.num_tokens for t in trajs], dtype=np.float64)
+    lags = [batch.step - g.admitted_version for g in batch.groups]
+    hist: dict[str, int] = {}
+    for lag in lags:
+        hist[str(lag)] = hist.get(str(lag), 0) + 1
+    # Token-level lag: how many versions behind the policy being trained each model token was sampled.
+    token_lags = [
+        batch.step - unpack("versions", t.versions)[unpack("loss_mask", t.loss_mask) > 0] for t in trajs
+    ]
+    flat = np.concatenate(token_lags) if token_lags else np.zeros(0)
+    calls = sum(t.tool_calls for t in trajs)
+    errors = sum(t.tool_errors for t in trajs)
+    return {
+        "groups": len(batch.groups),
+        "trajectories": len(trajs),
+        "reward_mean": float(rewards.mean()) if len(trajs) else 0.0,
+        "accuracy": float((rewards > 0).mean()) if len(trajs) else 0.0,
+        "response_len_mean": float(lengths.mean()) if len(trajs) else 0.0,
+        "staleness": hist,
+        "staleness_mean": float(np.mean(lags)) if lags else 0.0,
+        "token_lag_mean": float(flat.mean()) if flat.size else 0.0,
+        "tool_calls_mean": calls / max(1, len(trajs)),
+        "tool_success_rate": (calls - errors) / calls if calls else None,
+        "truncated_frac": sum(t.finish_reason == "length" for t in trajs) / max(1, len(trajs)),
+    }

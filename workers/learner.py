@@ -25,7 +25,6 @@ freshly started engines get that checkpoint's weights before the first batch is 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import os
 import signal
@@ -35,7 +34,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -43,6 +41,7 @@ from streamrl import checkpoint, log
 from streamrl.config import JobSpec
 from streamrl.config_load import load_job_or_exit
 from streamrl.errors import StreamrlError, WeightSyncError
+from streamrl.evaluate import Evaluator
 from streamrl.messages import (
     Batch,
     BatchRequest,
@@ -54,6 +53,7 @@ from streamrl.messages import (
     encode,
     unpack,
 )
+from streamrl.metrics import batch_stats
 from streamrl.transport_client import Client
 from workers.engines.client import EngineError
 
@@ -65,37 +65,6 @@ ENGINE_RETRY_S = 1.0
 
 class LearnerError(StreamrlError):
     """The learner cannot go on: no batches, no engine taking the weights, or a protocol mismatch."""
-
-
-def batch_stats(batch: Batch) -> dict[str, Any]:
-    """What the batch says about the rollouts that produced it (reward, length, staleness, tools)."""
-    trajs = [t for g in batch.groups for t in g.trajectories]
-    rewards = np.array([t.reward for t in trajs], dtype=np.float64)
-    lengths = np.array([t.num_tokens for t in trajs], dtype=np.float64)
-    lags = [batch.step - g.admitted_version for g in batch.groups]
-    hist: dict[str, int] = {}
-    for lag in lags:
-        hist[str(lag)] = hist.get(str(lag), 0) + 1
-    # Token-level lag: how many versions behind the policy being trained each model token was sampled.
-    token_lags = [
-        batch.step - unpack("versions", t.versions)[unpack("loss_mask", t.loss_mask) > 0] for t in trajs
-    ]
-    flat = np.concatenate(token_lags) if token_lags else np.zeros(0)
-    calls = sum(t.tool_calls for t in trajs)
-    errors = sum(t.tool_errors for t in trajs)
-    return {
-        "groups": len(batch.groups),
-        "trajectories": len(trajs),
-        "reward_mean": float(rewards.mean()) if len(trajs) else 0.0,
-        "accuracy": float((rewards > 0).mean()) if len(trajs) else 0.0,
-        "response_len_mean": float(lengths.mean()) if len(trajs) else 0.0,
-        "staleness": hist,
-        "staleness_mean": float(np.mean(lags)) if lags else 0.0,
-        "token_lag_mean": float(flat.mean()) if flat.size else 0.0,
-        "tool_calls_mean": calls / max(1, len(trajs)),
-        "tool_success_rate": (calls - errors) / calls if calls else None,
-        "truncated_frac": sum(t.finish_reason == "length" for t in trajs) / max(1, len(trajs)),
-    }
 
 
 def _free_port() -> int:
@@ -342,52 +311,6 @@ class LearnerRole:
 
 
 # ---------------------------------------------------------------- wiring
-
-
-class Evaluator:
-    """Rank 0's evaluation resources, kept for the whole run on one event loop."""
-
-    def __init__(self, spec: JobSpec, engine_urls: list[str], model_dir: Path) -> None:
-        from transformers import AutoTokenizer
-
-        from streamrl.evaluate import eval_prompts
-        from workers.reward import RewardPool
-
-        self.spec, self.urls = spec, engine_urls
-        self.prompts = eval_prompts(spec)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.runner = asyncio.Runner()
-        self.rewards = RewardPool.from_config(spec.reward)
-        self.sandbox = None
-        if spec.rollout.agent == "rstar2_tool":
-            from sandbox_bridge.client import make_sandbox
-
-            self.sandbox = make_sandbox(spec.sandbox)
-
-    def __call__(self) -> dict[str, float]:
-        from streamrl.evaluate import evaluate
-
-        coro = evaluate(self.spec, self.prompts, self.urls, self.tokenizer, self.rewards, self.sandbox)
-        try:
-            return self.runner.run(coro).metrics()
-        except Exception:
-            self.runner.run(_cancel_pending())
-            raise
-
-    def close(self) -> None:
-        if self.sandbox is not None:
-            self.runner.run(self.sandbox.close())
-        self.runner.close()
-        self.rewards.close()
-
-
-async def _cancel_pending() -> None:
-    """End the rollouts a failed evaluation left running (gather does not cancel the others when
-    one fails), now rather than whenever the next evaluation runs the loop again."""
-    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-    for t in tasks:
-        t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
