@@ -7,8 +7,9 @@ DEALER -> ROUTER, every receiver turning each frame into the same decoded Group:
 
 - streamrl: what a generator does. `Client.send(frame)` with the GroupFrame the producer wrote
   (group_frame.write_group, straight from the rollouts' token lists), at most `--window` groups
-  un-acked; the receiver (`Server.recv`) decodes every group and acks it with `Server.ack` (delayed,
-  batched acks, see transport.py).
+  un-acked; the receiver (`Server.recv`) decodes every group and acks it with `Server.ack` (acks
+  leave batched, see transport.py). When the sender has to wait on its acks (window full, round
+  over) it asks for them with AckRequest, as `Client.request` does.
 - encode_at_send: the same, but sending Group structs that `Client.send` encodes: what producer-
   written frames save (encoding gathers 4 x 32 + 1 separate arrays into one frame, a cold 420 KB copy).
 - raw: the very frames streamrl sends, zero-copy on a raw DEALER; the receiver receives zero-copy and
@@ -23,8 +24,7 @@ table, from the same Python lists an engine returns.
 
 Every variant's sockets have the same high-water marks (HWM). A generator never waits on an ack to
 go on (the buffer's admission control bounds what is in flight), so the default window (1024) is
-above what the HWMs let into flight and, like raw's, the sender is held back by the HWM alone; with
-windows of a few dozen groups a sender also waits out the receiver's ack delay now and then.
+above what the HWMs let into flight and, like raw's, the sender is held back by the HWM alone.
 
 Why: the transport is on the hot path between generators and the buffer. value / limit says what
 streamrl's protocol (handshake, acks, validation on receive) costs over moving the same bytes.
@@ -166,15 +166,22 @@ def streamrl_round(client: Client, groups: list[Outgoing], n: int, window: int) 
     t0 = time.perf_counter()
     outstanding = 0
     for i in range(n):
-        while outstanding >= window:
-            outstanding -= _acks(client.recv(30.0))
-            while (more := client.recv(0.0)) is not None:  # take every ack already here: one wake-up
-                outstanding -= _acks(more)
+        if outstanding >= window:
+            outstanding -= _wait_for_acks(client)
         client.send(groups[i % len(groups)])
         outstanding += 1
     while outstanding:
-        outstanding -= _acks(client.recv(30.0))
+        outstanding -= _wait_for_acks(client)
     return time.perf_counter() - t0
+
+
+def _wait_for_acks(client: Client) -> int:
+    """A sender that must wait on its acks asks for them (AckRequest), then takes all that came."""
+    client.send(m.AckRequest())
+    acked = _acks(client.recv(30.0))
+    while (more := client.recv(0.0)) is not None:  # every ack already here: one wake-up
+        acked += _acks(more)
+    return acked
 
 
 def raw_round(sock: zmq.Socket[Any], payloads: list[bytearray], n: int, window: int) -> float:

@@ -11,6 +11,7 @@ Conversation of the roles (all over the buffer's ROUTER socket, see transport.py
     any client  -> Hello            buffer -> Ready          (handshake, protocol check)
     generator   -> PromptRequest    buffer -> Prompts        (admission control may answer none)
     generator   -> Group            buffer -> GroupAcks      (every group is acknowledged, acks batched)
+    any         -> AckRequest       buffer -> GroupAcks      (now: every ack owed for what came before)
     generator   -> PromptRelease                             (give prompts back for re-dispatch)
     learner     -> BatchRequest     buffer -> Batch | NoBatch
     learner     -> WeightsPublished                          (new policy version; marks the step trained)
@@ -164,6 +165,10 @@ class GroupAcks(msgspec.Struct, tag="group_acks", kw_only=True):
     acks: list[GroupAck]
 
 
+class AckRequest(msgspec.Struct, tag="ack_request", kw_only=True):
+    """Asks for the verdicts on every Group this client sent before it, now (see transport.py)."""
+
+
 class BatchRequest(msgspec.Struct, tag="batch_request", kw_only=True):
     step: int
 
@@ -221,6 +226,7 @@ Message = (
     | PromptRelease
     | Group
     | GroupAcks
+    | AckRequest
     | BatchRequest
     | Batch
     | NoBatch

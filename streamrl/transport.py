@@ -33,15 +33,17 @@ retries until `send_timeout_s`, then raises TransportTimeout. Every receive take
 never blocks; queued frames get LINGER_MS to leave.
 
 Acknowledgements: the buffer gives every Group a GroupAck verdict, so a generator knows what arrived
-and after a failure re-sends or releases the rest. `Server.ack` queues a verdict; queued verdicts
-leave, one GroupAcks message per peer, once ACK_BATCH are queued, the oldest is ACK_DELAY_S (50 ms)
-old, or no message came for ACK_IDLE_S (2 ms): delayed acks, as TCP's. Why: an ack message per group
-wakes both processes and both zmq I/O threads; on bench/transport.py, acking every group held
-streamrl to 0.6-0.75 of raw pyzmq, where sending no acks at all reached 0.9-1.0. Flushing as soon as
-the server caught up was not enough: a buffer faster than its generators catches up after almost
-every group. The idle rule answers a
-burst's end (or a lone `request`) soon; 50 ms is nothing to a generator, which never waits on an ack
-to go on (only a resend does).
+and after a failure re-sends or releases the rest. `Server.ack` queues a verdict; a peer's queued
+verdicts leave as one GroupAcks message once ACK_BATCH are queued or the oldest is ACK_DELAY_S
+(50 ms) old, or at once when that peer sends AckRequest: the server then sends every verdict still
+queued for what the peer sent before it (nothing if none is: those already left, or the frame was
+refused with an Error). So a client that waits on its acks asks for them (`request` does), and one
+that does not, a generator, never pays for the wait.
+Why not an ack message per group: it wakes both processes and both zmq I/O threads; on
+bench/transport.py that held streamrl to 0.6-0.75 of raw pyzmq, against 0.9-1.0 with no acks. Why
+not "flush when the server has caught up": a buffer faster than its generators catches up after
+almost every group, and a short wake-up timer to detect quiet costs 5-10 us of CPU per message on
+this VM (each blocking receive arms it).
 
 `request` is for strictly sequential exchanges; pipelined senders use `send` and `recv`. An Error
 answering `request` or `connect` raises RemoteError (a TransportError), since it is never the reply
@@ -72,6 +74,7 @@ from streamrl.log import get_logger
 from streamrl.messages import (
     DEFAULT_MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
+    AckRequest,
     Error,
     GroupAck,
     GroupAcks,
@@ -84,7 +87,6 @@ DEFAULT_HWM = 256  # messages; a 2G=32 group of 1k-token trajectories is about 4
 LINGER_MS = 200
 ACK_BATCH = 128  # a peer's queued GroupAcks that leave at once
 ACK_DELAY_S = 0.05  # the longest a GroupAck waits for others to share its message
-ACK_IDLE_S = 0.002  # queued GroupAcks leave once no message came for this long
 log = get_logger(__name__)
 Buffer = bytes | bytearray | memoryview
 
@@ -213,11 +215,9 @@ class Server:
             now = time.monotonic()
             if self._acks and now >= self._acks_due:
                 self.flush_acks()
-            wake = min(deadline, self._acks_due, now + ACK_IDLE_S) if self._acks else deadline
+            wake = min(deadline, self._acks_due) if self._acks else deadline
             raw = self._recv_raw(max(0.0, wake - now))
-            if raw is None and self._acks:
-                self.flush_acks()  # the peers went quiet: nothing else will share these acks soon
-            elif raw is not None and (got := self._admit(*raw)) is not None:
+            if raw is not None and (got := self._admit(*raw)) is not None:
                 return got
             if time.monotonic() >= deadline:  # a flood of rejected frames must not hold the loop here
                 return None
@@ -285,6 +285,9 @@ class Server:
             return None
         if isinstance(msg, Hello):
             self._hello(ident, peer, msg)
+        elif isinstance(msg, AckRequest):  # nothing queued: the acks left, or the frame was refused
+            if peer in self._acks:
+                self._flush_acks(peer, self.send_timeout_s)
         elif peer not in self.peers:
             self._reject(
                 ident, peer, "handshake_required", f"{type(msg).__name__} from {peer!r} before Hello"

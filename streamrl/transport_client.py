@@ -20,7 +20,16 @@ import zmq.asyncio
 from streamrl import messages
 from streamrl.errors import RemoteError, TransportError, TransportTimeout
 from streamrl.group_frame import GroupFrame
-from streamrl.messages import DEFAULT_MAX_FRAME_BYTES, PROTOCOL_VERSION, Error, Hello, Message, Ready
+from streamrl.messages import (
+    DEFAULT_MAX_FRAME_BYTES,
+    PROTOCOL_VERSION,
+    AckRequest,
+    Error,
+    Group,
+    Hello,
+    Message,
+    Ready,
+)
 from streamrl.transport import DEFAULT_HWM, Buffer, Timeouts, make_socket, timeout_ms
 
 Outgoing = Message | GroupFrame  # what clients send: a message, or a group already on its wire form
@@ -32,6 +41,10 @@ def _frame(msg: Outgoing) -> Buffer:
 
 def _name(msg: Outgoing) -> str:
     return "Group" if isinstance(msg, GroupFrame) else type(msg).__name__
+
+
+def _is_group(msg: Outgoing) -> bool:
+    return isinstance(msg, GroupFrame | Group)
 
 
 class _ClientBase:
@@ -117,8 +130,13 @@ class Client(_ClientBase):
         return self._decode(self._recv_raw(timeout_s))
 
     def request(self, msg: Outgoing, timeout_s: float) -> Message:
-        """Send `msg` and return the next reply; TransportTimeout, or RemoteError for an Error reply."""
+        """Send `msg` and return the next reply; TransportTimeout, or RemoteError for an Error reply.
+
+        A Group's reply is its GroupAcks: the request asks for it at once (AckRequest).
+        """
         self.send(msg)
+        if _is_group(msg):
+            self.send(AckRequest())
         return self._check_reply(_name(msg), self.recv(timeout_s), timeout_s)
 
     def close(self) -> None:
@@ -160,6 +178,8 @@ class AsyncClient(_ClientBase):
 
     async def request(self, msg: Outgoing, timeout_s: float) -> Message:
         await self.send(msg)
+        if _is_group(msg):
+            await self.send(AckRequest())
         return self._check_reply(_name(msg), await self.recv(timeout_s), timeout_s)
 
     def close(self) -> None:

@@ -67,6 +67,7 @@ def test_every_message_type_round_trips() -> None:
         m.GroupAcks(
             acks=[m.GroupAck(uid=1, status="accepted"), m.GroupAck(uid=2, status="filtered", detail="x")]
         ),
+        m.AckRequest(),
         m.BatchRequest(step=2),
         m.Batch(step=2, policy_version=2, groups=[group], advantages=[b"\0" * 16]),
         m.NoBatch(step=2, ready_groups=1, retry_after_s=0.1),

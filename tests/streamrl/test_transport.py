@@ -19,9 +19,10 @@ import pytest
 import zmq
 
 from streamrl import messages as m
+from streamrl import transport
 from streamrl.errors import PeerGone, RemoteError, TransportTimeout
 from streamrl.group_frame import frames_of
-from streamrl.transport import ACK_BATCH, Server
+from streamrl.transport import ACK_BATCH, ACK_DELAY_S, Server
 from streamrl.transport_client import AsyncClient, Client
 from streamrl.transport_inproc import InprocClient, InprocHub
 from tests.streamrl.test_messages import make_group
@@ -328,8 +329,28 @@ def test_acks_for_a_departed_peer_are_counted_as_lost_not_raised(net: Net) -> No
     server = net.server()
     server.ack("nobody", m.GroupAck(uid=1, status="accepted"))
     server.ack("nobody", m.GroupAck(uid=2, status="duplicate"))
-    assert server.recv(0.01) is None  # flushes before waiting: must not raise
+    assert server.recv(ACK_DELAY_S + 0.05) is None  # they fall due while it waits: must not raise
     assert server.stats["acks_lost"] == 2
+
+
+def test_acks_wait_for_company_until_due_unless_the_client_asks_for_them(
+    net: Net, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(transport, "ACK_DELAY_S", 0.5)
+    server, client = net.server(), net.client("gen0")
+    with serving(server):
+        client.connect(2.0)
+        t0 = time.monotonic()
+        for frame in frames_of(make_group(uid=uid, n=1, tokens=4) for uid in (1, 2, 3)):
+            client.send(frame)
+        assert client.recv(2.0) == acked(1, 2, 3)  # nobody asked: they left together, once due
+        assert time.monotonic() - t0 > 0.4
+        for frame in frames_of(make_group(uid=uid, n=1, tokens=4) for uid in (4, 5)):
+            client.send(frame)
+        client.send(m.AckRequest())
+        assert client.recv(0.3) == acked(4, 5)  # asked for: at once
+        client.send(m.AckRequest())
+        assert client.recv(0.3) is None  # nothing owed, nothing sent
 
 
 def test_acks_of_a_backlog_are_batched_and_every_group_is_acked_once_in_order(net: Net) -> None:
