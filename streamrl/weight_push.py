@@ -49,6 +49,7 @@ class; the copy avoidance and bucket streaming are in streamrl.weight_buckets.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -57,7 +58,6 @@ import torch
 import torch.distributed as dist
 
 from streamrl import weight_buckets, weight_sync
-from streamrl.config import WeightSyncConfig
 from streamrl.errors import WeightSyncError
 from streamrl.log import get_logger
 from streamrl.weight_group import EngineGroup, describe_error, engine_failure, failed_engines, first_error
@@ -97,27 +97,12 @@ class WeightPusher(EngineGroup):
     """Pushes weight versions to a set of engines (see the module docstring); the group and its
     recovery are `EngineGroup`'s."""
 
-    def __init__(
-        self,
-        engine_urls: list[str],
-        cfg: WeightSyncConfig,
-        *,
-        master_address: str = "127.0.0.1",
-        master_port: int | None = None,
-        tp_size: int = 1,
-        group_name: str = "streamrl_weights",
-    ) -> None:
-        super().__init__(
-            engine_urls,
-            cfg,
-            master_address=master_address,
-            master_port=master_port,
-            tp_size=tp_size,
-            group_name=group_name,
-        )
-        self._packer = weight_buckets.BucketPacker(self.device)
-        self.version: int | None = None  # the last version pushed
-        self._raw: torch.Tensor | None = None
+    version: int | None = None  # the last version pushed
+    _raw: torch.Tensor | None = None  # raw_broadcast's tensor, kept warm between calls
+
+    @functools.cached_property
+    def _packer(self) -> weight_buckets.BucketPacker:
+        return weight_buckets.BucketPacker(self.device)
 
     def __enter__(self) -> WeightPusher:
         return self
